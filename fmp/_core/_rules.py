@@ -1,0 +1,283 @@
+"""Precision categories and :class:`RuleSet`, the one rule table for both frameworks."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+
+from fmp._core import _dtypes
+from fmp._core import _rules_data as data
+
+
+class Category(str, enum.Enum):
+    """How an operation chooses the dtype it runs in.
+
+    * ``LOWER_PRECISION``: floating inputs are cast to the policy's compute dtype.
+    * ``FLOAT32``: floating inputs are cast to float32.
+    * ``PROMOTE``: floating inputs are cast to the widest floating input dtype.
+    * ``BANNED``: the op refuses to run under a float16 policy (torch: under any
+      autocast); the error names the safe alternative.
+    * ``UNLISTED``: the op runs in the dtypes it is given.
+
+    float64 values, integers and booleans are never cast by any category.
+    """
+
+    LOWER_PRECISION = "lower_precision"
+    FLOAT32 = "float32"
+    PROMOTE = "promote"
+    BANNED = "banned"
+    UNLISTED = "unlisted"
+
+
+FRAMEWORKS = ("jax", "torch")
+TORCH_DEVICES = ("cpu", "cuda")
+
+_MSG_BANNED_DEFAULT = (
+    "{op} is unsafe to run in float16 under autocast. Compute it from logits in float32 "
+    "(move it to the 'float32' category with RuleSet.derive) or use a bfloat16 policy."
+)
+
+
+def _freeze(mapping: Mapping[str, Category]) -> Mapping[str, Category]:
+    return MappingProxyType(dict(sorted(mapping.items())))
+
+
+def _table(**categories: Iterable[str]) -> dict[str, Category]:
+    out: dict[str, Category] = {}
+    for cat, names in categories.items():
+        for name in names:
+            if name in out:
+                raise ValueError(f"op {name!r} is listed in two categories")
+            out[name] = Category(cat)
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RuleSet:
+    """An immutable precision rule table for JAX primitives and torch ATen ops.
+
+    ``RuleSet`` maps operation names to a :class:`Category`. JAX primitives are
+    keyed by primitive name (``"dot_general"``); torch ops by dispatcher name
+    (``"aten::mm"``, ``"aten::pow.Tensor_Scalar"``), separately for the ``"cpu"``
+    and ``"cuda"`` autocast registries because torch's two lists differ.
+    An operation that is not in the table is ``UNLISTED``.
+
+    Build a custom rule set with :meth:`derive`; the default one is
+    ``fmp.DEFAULT_RULES``. A ``RuleSet`` is hashable, so it can be a static
+    argument of ``jax.jit``.
+
+    Examples:
+      >>> rules = fmp.DEFAULT_RULES.derive(float32=["dot_general"])
+      >>> rules.category("dot_general")
+      <Category.FLOAT32: 'float32'>
+      >>> fmp.DEFAULT_RULES.category("dot_general")
+      <Category.LOWER_PRECISION: 'lower_precision'>
+      >>> fmp.DEFAULT_RULES.category("aten::softmax.int", framework="torch", device="cuda")
+      <Category.FLOAT32: 'float32'>
+    """
+
+    jax: Mapping[str, Category]
+    torch_cpu: Mapping[str, Category]
+    torch_cuda: Mapping[str, Category]
+    # torch CUDA float32 ops that pass dtype=float32 instead of casting: op -> variant
+    torch_cuda_variants: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    banned_messages: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for field in ("jax", "torch_cpu", "torch_cuda"):
+            table = {name: Category(cat) for name, cat in getattr(self, field).items()}
+            object.__setattr__(self, field, _freeze(table))
+        object.__setattr__(self, "torch_cuda_variants", MappingProxyType(dict(self.torch_cuda_variants)))
+        object.__setattr__(self, "banned_messages", MappingProxyType(dict(self.banned_messages)))
+
+    def _key(self) -> tuple:
+        return (
+            tuple(self.jax.items()),
+            tuple(self.torch_cpu.items()),
+            tuple(self.torch_cuda.items()),
+            tuple(sorted(self.torch_cuda_variants.items())),
+            tuple(sorted(self.banned_messages.items())),
+        )
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RuleSet) and self._key() == other._key()
+
+    def __repr__(self) -> str:
+        return (
+            f"RuleSet(jax={len(self.jax)} ops, torch_cpu={len(self.torch_cpu)} ops, "
+            f"torch_cuda={len(self.torch_cuda)} ops)"
+        )
+
+    def table(self, framework: str = "jax", device: str | None = None) -> Mapping[str, Category]:
+        """The name -> category mapping of one framework (and torch device)."""
+        framework = _check_framework(framework)
+        if framework == "jax":
+            return self.jax
+        return self.torch_cuda if _check_device(device) == "cuda" else self.torch_cpu
+
+    def category(self, name: str, framework: str = "jax", device: str | None = None) -> Category:
+        """The category of op ``name``; ``UNLISTED`` when the table does not name it."""
+        return self.table(framework, device).get(name, Category.UNLISTED)
+
+    def ops(self, category: Category | str, framework: str = "jax", device: str | None = None) -> tuple[str, ...]:
+        """The sorted names of every op in ``category``."""
+        cat = _check_category(category)
+        return tuple(n for n, c in self.table(framework, device).items() if c is cat)
+
+    def banned_message(self, name: str) -> str:
+        """The error raised when banned op ``name`` runs under autocast."""
+        return self.banned_messages.get(name, _MSG_BANNED_DEFAULT.format(op=name))
+
+    def derive(
+        self,
+        *,
+        framework: str = "jax",
+        device: str | None = None,
+        banned_messages: Mapping[str, str] | None = None,
+        **moves: Iterable[str],
+    ) -> RuleSet:
+        """Returns a new rule set with ops moved between categories.
+
+        Args:
+          framework: ``"jax"`` (primitive names) or ``"torch"`` (``"aten::..."`` names).
+          device: For torch, ``"cpu"`` or ``"cuda"``; ``None`` moves the op in both.
+          banned_messages: Optional messages for ops moved to ``banned``.
+          **moves: ``category_name=[op, ...]``, e.g. ``float32=["dot_general"]`` or
+            ``unlisted=["exp"]``. An op may appear in one category only.
+
+        Returns:
+          A new :class:`RuleSet`; ``self`` is not modified.
+
+        Raises:
+          ValueError: on an unknown category, framework or device, or an op named twice.
+          TypeError: if a category is given a string instead of a list of names.
+
+        Examples:
+          >>> r = fmp.DEFAULT_RULES.derive(unlisted=["exp"], lower_precision=["tanh"])
+          >>> r.category("exp"), r.category("tanh")
+          (<Category.UNLISTED: 'unlisted'>, <Category.LOWER_PRECISION: 'lower_precision'>)
+        """
+        framework = _check_framework(framework)
+        seen: dict[str, Category] = {}
+        for cat_name, names in moves.items():
+            cat = _check_category(cat_name)
+            if isinstance(names, str):
+                raise TypeError(
+                    f"derive({cat_name}=...) expects a list of op names, got the string {names!r}; "
+                    f"write {cat_name}=[{names!r}]"
+                )
+            for name in names:
+                if not isinstance(name, str):
+                    raise TypeError(f"derive({cat_name}=...) expects op names as str, got {name!r}")
+                if name in seen and seen[name] is not cat:
+                    raise ValueError(
+                        f"op {name!r} is moved to both {seen[name].value!r} and {cat.value!r}; name it once"
+                    )
+                seen[name] = cat
+        if framework == "jax":
+            targets = ["jax"]
+        elif device is None:
+            targets = ["torch_cpu", "torch_cuda"]
+        else:
+            targets = ["torch_" + _check_device(device)]
+        changes: dict[str, object] = {}
+        for field in targets:
+            table = dict(getattr(self, field))
+            for name, cat in seen.items():
+                if cat is Category.UNLISTED:
+                    table.pop(name, None)
+                else:
+                    table[name] = cat
+            changes[field] = table
+        variants = dict(self.torch_cuda_variants)
+        if "torch_cuda" in targets:
+            variants = {k: v for k, v in variants.items() if seen.get(k, Category.FLOAT32) is Category.FLOAT32}
+        messages = dict(self.banned_messages)
+        messages.update(banned_messages or {})
+        return dataclasses.replace(self, torch_cuda_variants=variants, banned_messages=messages, **changes)  # type: ignore[arg-type]
+
+
+def _check_framework(framework: str) -> str:
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+    return framework
+
+
+def _check_device(device: str | None) -> str:
+    if device is None:
+        return "cpu"
+    if device not in TORCH_DEVICES:
+        raise ValueError(f"device must be one of {TORCH_DEVICES} (or None for cpu), got {device!r}")
+    return device
+
+
+def _check_category(category: Category | str) -> Category:
+    try:
+        return Category(category)
+    except ValueError:
+        accepted = ", ".join(c.value for c in Category)
+        raise ValueError(f"unknown precision category {category!r}; accepted: {accepted}") from None
+
+
+def decide(
+    category: Category,
+    compute_dtype: str,
+    float_input_dtypes: Iterable[str],
+) -> str | None:
+    """The dtype an op's castable floating inputs are cast to, or None to leave them.
+
+    Framework-neutral: dtypes are canonical names (``"bfloat16"``). Inputs in
+    float64 never take part and are never cast (as in torch, they are not
+    "eligible"). ``BANNED`` ops are decided like ``UNLISTED``; raising is the
+    caller's job because the message depends on the op.
+
+    Examples:
+      >>> from fmp._core._rules import decide, Category
+      >>> decide(Category.PROMOTE, "bfloat16", ["bfloat16", "float32"])
+      'float32'
+      >>> decide(Category.LOWER_PRECISION, "float16", ["float32", "float64"])
+      'float16'
+    """
+    eligible = [d for d in float_input_dtypes if d in _dtypes.CASTABLE]
+    if not eligible:
+        return None
+    if category is Category.LOWER_PRECISION:
+        return compute_dtype
+    if category is Category.FLOAT32:
+        return "float32"
+    if category is Category.PROMOTE:
+        return _dtypes.widest(eligible)
+    return None
+
+
+DEFAULT_RULES = RuleSet(
+    jax=_table(
+        lower_precision=data.JAX_LOWER_PRECISION,
+        float32=data.JAX_FLOAT32,
+        promote=data.JAX_PROMOTE,
+        banned=data.JAX_BANNED,
+    ),
+    torch_cpu=_table(
+        lower_precision=data.TORCH_CPU_LOWER_PRECISION,
+        float32=data.TORCH_CPU_FLOAT32,
+        promote=data.TORCH_CPU_PROMOTE,
+    ),
+    torch_cuda=_table(
+        lower_precision=data.TORCH_CUDA_LOWER_PRECISION,
+        float32=(
+            data.TORCH_CUDA_FLOAT32 + data.TORCH_CUDA_FLOAT32_SET_OPT_DTYPE + data.TORCH_CUDA_FLOAT32_APPEND_DTYPE
+        ),
+        promote=data.TORCH_CUDA_PROMOTE,
+        banned=data.TORCH_CUDA_BANNED,
+    ),
+    torch_cuda_variants={
+        **dict.fromkeys(data.TORCH_CUDA_FLOAT32_SET_OPT_DTYPE, "set_opt_dtype"),
+        **dict.fromkeys(data.TORCH_CUDA_FLOAT32_APPEND_DTYPE, "append_dtype"),
+    },
+    banned_messages=dict(data.TORCH_CUDA_BANNED),
+)

@@ -1,0 +1,383 @@
+"""The default precision rule table, as data.
+
+This module is the single source of truth for which operation runs in which
+precision. It holds no logic and imports nothing: ``fmp._core._rules`` wraps it
+in :class:`~fmp.RuleSet`, the JAX transform and the torch FX transform both read
+it through that class.
+
+Torch op names are the dispatcher keys autocast is registered on
+(``"aten::" + schema name + ("." + overload if not default)``). They were read
+from torch 2.13.0's own registry (``AutocastCPU`` / ``AutocastCUDA`` dispatch
+keys) and its header ``ATen/autocast_mode.h``; ``tests/test_rules.py`` re-reads
+the live registry and fails if this table and torch drift apart.
+
+JAX primitive names are mapped by meaning: matrix products and convolutions run
+in the compute dtype; exponentials, logarithms, powers, special functions,
+sums, products and cumulative reductions run in float32; multi-input
+elementwise ops promote to their widest floating input; everything else
+(``max``, ``tanh``, data movement, comparisons of one dtype, ...) runs in the
+types it is given.
+"""
+
+JAX_LOWER_PRECISION = (
+    "conv_general_dilated",
+    "dot_general",
+    "ragged_dot_general",
+)
+
+JAX_FLOAT32 = (
+    # exponentials and logarithms
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    # powers: torch runs pow (and so x**2, square, reciprocal) in float32
+    "integer_pow",
+    "pow",
+    "rsqrt",
+    "square",
+    # trigonometric and hyperbolic functions with large dynamic range
+    "acos",
+    "asin",
+    "cosh",
+    "sinh",
+    "tan",
+    # special functions
+    "bessel_i0e",
+    "bessel_i1e",
+    "digamma",
+    "erf_inv",
+    "erfc",
+    "igamma",
+    "igamma_grad_a",
+    "igammac",
+    "lgamma",
+    "polygamma",
+    "regularized_incomplete_beta",
+    "zeta",
+    # sums, products and cumulative reductions
+    "cumlogsumexp",
+    "cumprod",
+    "cumsum",
+    "reduce_prod",
+    "reduce_sum",
+)
+
+JAX_PROMOTE = (
+    "add",
+    "add_any",
+    "atan2",
+    "clamp",
+    "concatenate",
+    "div",
+    "dynamic_update_slice",
+    "eq",
+    "ge",
+    "gt",
+    "le",
+    "lt",
+    "max",
+    "min",
+    "mul",
+    "ne",
+    "nextafter",
+    "pad",
+    "rem",
+    "scatter",
+    "scatter-add",
+    "scatter-max",
+    "scatter-min",
+    "scatter-mul",
+    "scatter-sub",
+    "select_n",
+    "sub",
+)
+
+JAX_BANNED: dict[str, str] = {}
+
+# --- torch 2.13, CUDA autocast (ATen/autocast_mode.h lists + autocast_mode.cpp) ---
+
+TORCH_CUDA_LOWER_PRECISION = (
+    "aten::_convolution",
+    "aten::_convolution.deprecated",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_thnn_fused_gru_cell",
+    "aten::_thnn_fused_lstm_cell",
+    "aten::addbmm",
+    "aten::addmm",
+    "aten::addmv",
+    "aten::addr",
+    "aten::baddbmm",
+    "aten::bmm",
+    "aten::chain_matmul",
+    "aten::conv1d",
+    "aten::conv2d",
+    "aten::conv3d",
+    "aten::conv_tbc",
+    "aten::conv_transpose1d",
+    "aten::conv_transpose2d.input",
+    "aten::conv_transpose3d.input",
+    "aten::convolution",
+    "aten::cudnn_convolution",
+    "aten::cudnn_convolution_transpose",
+    "aten::einsum",
+    "aten::gru_cell",
+    "aten::linalg_multi_dot",
+    "aten::linalg_vecdot",
+    "aten::linear",
+    "aten::lstm_cell",
+    "aten::matmul",
+    "aten::mm",
+    "aten::mv",
+    "aten::prelu",
+    "aten::rnn_relu_cell",
+    "aten::rnn_tanh_cell",
+    "aten::scaled_dot_product_attention",
+)
+
+TORCH_CUDA_FLOAT32 = (
+    "aten::_upsample_bicubic2d_aa",
+    "aten::_upsample_bilinear2d_aa",
+    "aten::_upsample_nearest_exact1d",
+    "aten::_upsample_nearest_exact2d",
+    "aten::_upsample_nearest_exact3d",
+    "aten::acos",
+    "aten::asin",
+    "aten::binary_cross_entropy_with_logits",
+    "aten::cdist",
+    "aten::cosh",
+    "aten::cosine_embedding_loss",
+    "aten::cosine_similarity",
+    "aten::dist",
+    "aten::erfinv",
+    "aten::exp",
+    "aten::expm1",
+    "aten::frobenius_norm.dim",
+    "aten::group_norm",
+    "aten::hinge_embedding_loss",
+    "aten::huber_loss",
+    "aten::kl_div",
+    "aten::l1_loss",
+    "aten::layer_norm",
+    "aten::log",
+    "aten::log10",
+    "aten::log1p",
+    "aten::log2",
+    "aten::logsumexp",
+    "aten::margin_ranking_loss",
+    "aten::mse_loss",
+    "aten::multi_margin_loss",
+    "aten::multilabel_margin_loss",
+    "aten::native_layer_norm",
+    "aten::nll_loss",
+    "aten::nll_loss2d",
+    "aten::nuclear_norm",
+    "aten::nuclear_norm.dim",
+    "aten::pdist",
+    "aten::poisson_nll_loss",
+    "aten::pow.Scalar",
+    "aten::pow.Tensor_Scalar",
+    "aten::pow.Tensor_Tensor",
+    "aten::reciprocal",
+    "aten::renorm",
+    "aten::rms_norm",
+    "aten::rsqrt",
+    "aten::sinh",
+    "aten::smooth_l1_loss",
+    "aten::soft_margin_loss",
+    "aten::softplus",
+    "aten::tan",
+    "aten::triplet_margin_loss",
+    "aten::upsample_bicubic2d",
+    "aten::upsample_bilinear2d",
+    "aten::upsample_linear1d",
+    "aten::upsample_nearest1d",
+    "aten::upsample_nearest2d",
+    "aten::upsample_nearest3d",
+    "aten::upsample_trilinear3d",
+)
+
+# float32 ops whose torch kernel passes ``dtype=float32`` instead of casting
+# the inputs ("fp32_set_opt_dtype": only when the first argument is eligible)
+TORCH_CUDA_FLOAT32_SET_OPT_DTYPE = (
+    "aten::cumprod",
+    "aten::cumsum",
+    "aten::linalg_matrix_norm",
+    "aten::linalg_matrix_norm.str_ord",
+    "aten::linalg_vector_norm",
+    "aten::log_softmax.int",
+    "aten::prod",
+    "aten::prod.dim_int",
+    "aten::softmax.int",
+    "aten::sum",
+    "aten::sum.dim_IntList",
+)
+
+# float32 ops redispatched to their ``dtype=`` overload ("fp32_append_dtype")
+TORCH_CUDA_FLOAT32_APPEND_DTYPE = (
+    "aten::norm.Scalar",
+    "aten::norm.ScalarOpt_dim",
+)
+
+TORCH_CUDA_PROMOTE = (
+    "aten::addcdiv",
+    "aten::addcmul",
+    "aten::atan2",
+    "aten::bilinear",
+    "aten::cross",
+    "aten::dot",
+    "aten::grid_sampler",
+    "aten::index_put",
+    "aten::scatter_add",
+    "aten::tensordot",
+    "aten::vdot",
+)
+
+TORCH_CUDA_BANNED = {
+    "aten::binary_cross_entropy": (
+        "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+        "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+        "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+        "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+        "safe to autocast."
+    ),
+}
+
+# --- torch 2.13, CPU autocast (autocast_mode.cpp, read from the running binary) ---
+
+TORCH_CPU_LOWER_PRECISION = (
+    "aten::_addmm_activation",
+    "aten::_convolution.deprecated",
+    "aten::_native_multi_head_attention",
+    "aten::addbmm",
+    "aten::addmm",
+    "aten::baddbmm",
+    "aten::bmm",
+    "aten::conv1d",
+    "aten::conv1d.padding",
+    "aten::conv2d",
+    "aten::conv2d.padding",
+    "aten::conv3d",
+    "aten::conv3d.padding",
+    "aten::conv_tbc",
+    "aten::conv_transpose1d",
+    "aten::conv_transpose2d.input",
+    "aten::conv_transpose3d.input",
+    "aten::linalg_vecdot",
+    "aten::linear",
+    "aten::matmul",
+    "aten::mkldnn_rnn_layer",
+    "aten::mm",
+    "aten::prelu",
+    "aten::scaled_dot_product_attention",
+)
+
+TORCH_CPU_PROMOTE = (
+    "aten::cat",
+    "aten::index_copy",
+    "aten::stack",
+)
+
+TORCH_CPU_FLOAT32 = (
+    "aten::_grid_sampler_2d_cpu_fallback",
+    "aten::_lu_with_info",
+    "aten::adaptive_avg_pool3d",
+    "aten::adaptive_max_pool3d",
+    "aten::avg_pool3d",
+    "aten::binary_cross_entropy",
+    "aten::binary_cross_entropy_with_logits",
+    "aten::cdist",
+    "aten::cholesky",
+    "aten::cholesky_inverse",
+    "aten::cholesky_solve",
+    "aten::cosine_embedding_loss",
+    "aten::cross_entropy_loss",
+    "aten::ctc_loss.IntList",
+    "aten::ctc_loss.Tensor",
+    "aten::fake_quantize_per_tensor_affine",
+    "aten::fft_fft",
+    "aten::fft_fft2",
+    "aten::fft_fftn",
+    "aten::fft_hfft",
+    "aten::fft_ifft",
+    "aten::fft_ifft2",
+    "aten::fft_ifftn",
+    "aten::fft_ihfft",
+    "aten::fft_irfft",
+    "aten::fft_irfft2",
+    "aten::fft_irfftn",
+    "aten::fft_rfft",
+    "aten::fft_rfft2",
+    "aten::fft_rfftn",
+    "aten::fractional_max_pool2d",
+    "aten::fractional_max_pool3d",
+    "aten::geqrf",
+    "aten::grid_sampler",
+    "aten::grid_sampler_2d",
+    "aten::grid_sampler_3d",
+    "aten::hinge_embedding_loss",
+    "aten::huber_loss",
+    "aten::inverse",
+    "aten::kl_div",
+    "aten::l1_loss",
+    "aten::linalg_cholesky",
+    "aten::linalg_cholesky_ex",
+    "aten::linalg_cond",
+    "aten::linalg_cond.p_str",
+    "aten::linalg_eig",
+    "aten::linalg_eigh",
+    "aten::linalg_eigvals",
+    "aten::linalg_eigvalsh",
+    "aten::linalg_householder_product",
+    "aten::linalg_inv",
+    "aten::linalg_inv_ex",
+    "aten::linalg_lstsq",
+    "aten::linalg_matrix_rank",
+    "aten::linalg_matrix_rank.atol_rtol_float",
+    "aten::linalg_matrix_rank.atol_rtol_tensor",
+    "aten::linalg_matrix_rank.tol_tensor",
+    "aten::linalg_qr",
+    "aten::linalg_solve",
+    "aten::linalg_svd",
+    "aten::linalg_svdvals",
+    "aten::linalg_tensorinv",
+    "aten::linalg_tensorsolve",
+    "aten::lu_solve",
+    "aten::margin_ranking_loss",
+    "aten::max_pool3d",
+    "aten::max_unpool2d",
+    "aten::max_unpool3d",
+    "aten::mse_loss",
+    "aten::multi_margin_loss",
+    "aten::multilabel_margin_loss",
+    "aten::multilabel_margin_loss_forward",
+    "aten::nanquantile",
+    "aten::nanquantile.scalar",
+    "aten::nll_loss",
+    "aten::nll_loss2d",
+    "aten::orgqr",
+    "aten::ormqr",
+    "aten::pinverse",
+    "aten::poisson_nll_loss",
+    "aten::polar",
+    "aten::prod",
+    "aten::prod.dim_int",
+    "aten::qr",
+    "aten::quantile",
+    "aten::quantile.scalar",
+    "aten::reflection_pad1d",
+    "aten::reflection_pad2d",
+    "aten::replication_pad1d",
+    "aten::replication_pad2d",
+    "aten::replication_pad3d",
+    "aten::smooth_l1_loss",
+    "aten::soft_margin_loss",
+    "aten::stft",
+    "aten::stft.center",
+    "aten::svd",
+    "aten::trace",
+    "aten::triangular_solve",
+    "aten::triplet_margin_loss",
+    "aten::view_as_complex",
+)

@@ -1,0 +1,159 @@
+"""The dynamic loss-scale update rule and the scaler checkpoint format.
+
+One source of truth for both frameworks: the JAX ``GradScaler`` and the torch
+facade call :func:`update_scale` with their own array namespace, and both read
+and write checkpoints through :func:`make_state_dict` / :func:`parse_state_dict`,
+so a checkpoint written by one side loads in the other.
+
+The rule is torch's ``_amp_update_scale_`` (CPU and CUDA kernels):
+
+* a non-finite step multiplies the scale by ``backoff_factor`` and resets the
+  growth tracker;
+* the ``growth_interval``-th consecutive finite step (``tracker + 1 ==
+  interval``, not ``>=``) multiplies the scale by ``growth_factor`` unless the
+  result would be non-finite, and resets the tracker in either case;
+* products are computed as ``float32(float64(scale) * factor)``, so factors that
+  are not powers of two (1.1, 0.3) give torch's exact bits.
+
+fmp adds two things, both off by default so the default trajectory equals torch's:
+optional ``min_scale`` / ``max_scale`` clamps, and a growth tracker that
+saturates at ``2**31 - 1`` instead of wrapping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+INT32_MAX = 2**31 - 1
+
+STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+class ArrayOps(Protocol):
+    """What the update rule needs from an array library (JAX or torch)."""
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any: ...
+    def isfinite(self, x: Any) -> Any: ...
+    def minimum(self, x: Any, y: Any) -> Any: ...
+    def maximum(self, x: Any, y: Any) -> Any: ...
+    def mul_f64(self, scale: Any, factor: float) -> Any:
+        """``float32(float64(scale) * factor)`` as a float32 array."""
+        ...
+
+
+def update_scale(
+    scale: Any,
+    growth_tracker: Any,
+    found_inf: Any,
+    *,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    ops: ArrayOps,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+) -> tuple[Any, Any]:
+    """One step of the loss-scale schedule; pure, branch-free, no host sync.
+
+    Args:
+      scale: float32 scalar array.
+      growth_tracker: int32 scalar array, consecutive finite steps so far.
+      found_inf: bool scalar array, True if this step's gradients had inf/NaN.
+      growth_factor, backoff_factor, growth_interval: static hyper-parameters.
+      ops: array namespace adapter (see :class:`ArrayOps`).
+      min_scale, max_scale: optional static clamps applied to the new scale.
+
+    Returns:
+      ``(new_scale, new_growth_tracker)``.
+    """
+    grown = ops.mul_f64(scale, growth_factor)
+    backed_off = ops.mul_f64(scale, backoff_factor)
+    successful = ops.minimum(growth_tracker, INT32_MAX - 1) + 1
+    at_interval = successful == growth_interval
+    grow = at_interval & ops.isfinite(grown)
+    new_scale = ops.where(found_inf, backed_off, ops.where(grow, grown, scale))
+    new_tracker = ops.where(found_inf | at_interval, 0, successful)
+    if min_scale is not None:
+        new_scale = ops.maximum(new_scale, min_scale)
+    if max_scale is not None:
+        new_scale = ops.minimum(new_scale, max_scale)
+    return new_scale, new_tracker
+
+
+def check_hparams(
+    *,
+    init_scale: float,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+) -> None:
+    """Validates scaler hyper-parameters; raises ValueError/TypeError naming the argument."""
+    _real(init_scale, "init_scale")
+    if not (math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+    _real(growth_factor, "growth_factor")
+    if not (math.isfinite(growth_factor) and growth_factor > 1.0):
+        raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
+    _real(backoff_factor, "backoff_factor")
+    if not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
+        raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    if growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    for name, value in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if value is not None:
+            _real(value, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ValueError(f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})")
+
+
+def _real(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a Python number, got {value!r} of type {type(value).__name__}")
+
+
+def make_state_dict(
+    *, scale: float, growth_tracker: int, growth_factor: float, backoff_factor: float, growth_interval: int
+) -> dict[str, Any]:
+    """torch's ``GradScaler.state_dict()`` layout: five keys, Python float/int values."""
+    return {
+        "scale": float(scale),
+        "growth_factor": float(growth_factor),
+        "backoff_factor": float(backoff_factor),
+        "growth_interval": int(growth_interval),
+        "_growth_tracker": int(growth_tracker),
+    }
+
+
+def parse_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Reads a five-key scaler state dict (from fmp or torch) into plain Python values.
+
+    Accepts 0-d arrays/tensors as values (``float()``/``int()`` of them).
+
+    Raises:
+      TypeError: ``state_dict`` is not a mapping.
+      ValueError: it is empty (saved from a disabled scaler) or lacks a key.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    if not state_dict:
+        raise ValueError(
+            "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+        )
+    missing = [k for k in STATE_DICT_KEYS if k not in state_dict]
+    if missing:
+        raise ValueError(f"scaler state_dict lacks keys {missing}; expected the keys {list(STATE_DICT_KEYS)}")
+    return {
+        "scale": float(state_dict["scale"]),
+        "growth_factor": float(state_dict["growth_factor"]),
+        "backoff_factor": float(state_dict["backoff_factor"]),
+        "growth_interval": int(state_dict["growth_interval"]),
+        "_growth_tracker": int(state_dict["_growth_tracker"]),
+    }

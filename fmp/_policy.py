@@ -1,0 +1,219 @@
+"""Policy: the param / compute / output dtypes of a mixed-precision program."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fmp._core import _dtypes
+
+T = TypeVar("T")
+
+PRESETS: dict[str, tuple[str, str, str]] = {
+    "mixed_bfloat16": ("float32", "bfloat16", "float32"),
+    "mixed_float16": ("float32", "float16", "float32"),
+    "float32": ("float32", "float32", "float32"),
+}
+
+_KEYS = {
+    "params": "param",
+    "param": "param",
+    "p": "param",
+    "compute": "compute",
+    "c": "compute",
+    "output": "output",
+    "o": "output",
+}
+
+_MSG_SPEC_FORMAT = (
+    "A policy spec is a preset ({presets}), a single dtype (all three fields), or comma-separated "
+    "key=dtype pairs with keys params|p, compute|c, output|o, e.g. 'params=float32,compute=bfloat16,output=float32' "
+    "or 'p=f32,c=bf16,o=f32'. Accepted dtypes: {dtypes}."
+)
+
+
+def _spec_help() -> str:
+    return _MSG_SPEC_FORMAT.format(presets=", ".join(PRESETS), dtypes=_dtypes.accepted_spellings())
+
+
+def _to_name(value: Any, field: str) -> str:
+    """Canonical float dtype name of ``value``, or a ValueError/TypeError naming ``field``."""
+    if isinstance(value, str):
+        name = _dtypes.canonical_name(value)
+        if name is None:
+            raise ValueError(f"Policy {field}: unknown dtype {value!r}. Accepted: {_dtypes.accepted_spellings()}.")
+        return name
+    try:
+        dt = np.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"Policy {field} must be a floating dtype (jnp.float32, 'bf16', ...), got {value!r} of type "
+            f"{type(value).__name__}"
+        ) from None
+    if dt.name not in _dtypes.FLOAT_ALIASES:
+        raise ValueError(
+            f"Policy {field} must be a floating dtype (float16, bfloat16, float32 or float64), got {dt.name}. "
+            "Integer, boolean and complex values are never cast by a policy."
+        )
+    return dt.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtypes of a mixed-precision program: parameters, computation and outputs.
+
+    A ``Policy`` is immutable and hashable, so it can be a static argument of
+    ``jax.jit``. Fields accept any dtype-like (``jnp.bfloat16``, ``"bf16"``,
+    ``np.dtype("float32")``) and are stored as ``numpy.dtype``.
+
+    Args:
+      param_dtype: dtype parameters are stored in.
+      compute_dtype: dtype matrix products and convolutions run in.
+      output_dtype: dtype of the outputs of a policy-wrapped function.
+
+    Raises:
+      ValueError: a field is not a floating dtype.
+      TypeError: a field is not dtype-like at all.
+
+    Examples:
+      >>> p = fmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+      >>> str(p)
+      'params=float32,compute=bfloat16,output=float32'
+      >>> p.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
+      dtype(bfloat16)
+    """
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            name = _to_name(getattr(self, field), field)
+            object.__setattr__(self, field, jnp.dtype(name))
+
+    def __str__(self) -> str:
+        return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+
+    def with_param_dtype(self, dtype: Any) -> Policy:
+        """A copy with another ``param_dtype``."""
+        return dataclasses.replace(self, param_dtype=dtype)
+
+    def with_compute_dtype(self, dtype: Any) -> Policy:
+        """A copy with another ``compute_dtype``."""
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_output_dtype(self, dtype: Any) -> Policy:
+        """A copy with another ``output_dtype``."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    def cast_to_param(self, tree: T) -> T:
+        """Casts the floating leaves of ``tree`` to ``param_dtype`` (see :func:`cast_tree`)."""
+        return cast_tree(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts the floating leaves of ``tree`` to ``compute_dtype`` (see :func:`cast_tree`)."""
+        return cast_tree(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts the floating leaves of ``tree`` to ``output_dtype`` (see :func:`cast_tree`)."""
+        return cast_tree(tree, self.output_dtype)
+
+
+def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
+    if isinstance(x, jax.Array):
+        return x.astype(dtype) if x.dtype.name in _dtypes.CASTABLE and x.dtype != dtype else x
+    if isinstance(x, np.ndarray | np.generic):
+        return x.astype(dtype) if x.dtype.name in _dtypes.CASTABLE and x.dtype != dtype else x
+    return x
+
+
+def cast_tree(tree: T, dtype: Any) -> T:
+    """Casts every float16/bfloat16/float32 array leaf of ``tree`` to ``dtype``.
+
+    Integer, boolean and PRNG-key arrays, float64 arrays, ``None`` and non-array
+    leaves (Python numbers, strings) are returned untouched, so optimizer step
+    counters and random keys survive. NumPy arrays stay NumPy arrays.
+
+    Args:
+      tree: Any pytree.
+      dtype: Target floating dtype (anything :class:`Policy` accepts).
+
+    Returns:
+      A tree of the same structure.
+
+    Examples:
+      >>> t = fmp.cast_tree({"a": jnp.ones(2), "n": jnp.arange(2), "s": 1.5}, "bf16")
+      >>> t["a"].dtype, t["n"].dtype, t["s"]
+      (dtype(bfloat16), dtype('int32'), 1.5)
+    """
+    target = jnp.dtype(_to_name(dtype, "dtype"))
+    return jax.tree_util.tree_map(lambda x: _cast_leaf(x, target), tree)
+
+
+def get_policy(spec: str | Policy) -> Policy:
+    """Builds a :class:`Policy` from a string spec (or returns a ``Policy`` as is).
+
+    Accepted specs:
+
+    * presets ``"mixed_bfloat16"`` (f32 params, bf16 compute, f32 output),
+      ``"mixed_float16"`` and ``"float32"``;
+    * a single dtype such as ``"bf16"``: all three fields;
+    * comma-separated ``key=dtype`` pairs, keys ``params``/``param``/``p``,
+      ``compute``/``c``, ``output``/``o``; dtypes ``float16``/``f16``/``half``,
+      ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``.
+
+    Unspecified fields: ``params`` defaults to float32, ``compute`` to
+    ``params``, and ``output`` to ``params`` (outputs return to the full type).
+    ``str(policy)`` gives a spec that parses back to an equal policy.
+
+    Raises:
+      ValueError: naming the bad token and listing what is accepted.
+      TypeError: ``spec`` is neither a string nor a ``Policy``.
+
+    Examples:
+      >>> fmp.get_policy("p=f32,c=bf16")
+      Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'))
+      >>> fmp.get_policy(str(fmp.get_policy("mixed_float16"))) == fmp.get_policy("mixed_float16")
+      True
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"get_policy(spec) expects a str or a Policy, got {type(spec).__name__}. {_spec_help()}")
+    text = spec.strip()
+    if not text:
+        raise ValueError(f"get_policy(spec): the spec is empty. {_spec_help()}")
+    preset = PRESETS.get(text.lower())
+    if preset is not None:
+        return Policy(*preset)
+    if "=" not in text and "," not in text:
+        name = _dtypes.canonical_name(text)
+        if name is None:
+            raise ValueError(f"get_policy(spec): unknown preset or dtype {text!r}. {_spec_help()}")
+        return Policy(name, name, name)
+    fields: dict[str, str] = {}
+    for token in text.split(","):
+        token = token.strip()
+        if not token:
+            raise ValueError(f"get_policy(spec): empty entry in {spec!r} (check the commas). {_spec_help()}")
+        key, sep, value = token.partition("=")
+        if not sep:
+            raise ValueError(f"get_policy(spec): entry {token!r} is not of the form key=dtype. {_spec_help()}")
+        field = _KEYS.get(key.strip().lower())
+        if field is None:
+            raise ValueError(f"get_policy(spec): unknown key {key.strip()!r} in {token!r}. {_spec_help()}")
+        if field in fields:
+            raise ValueError(f"get_policy(spec): {field} is given twice (in {token!r}). {_spec_help()}")
+        name = _dtypes.canonical_name(value)
+        if name is None:
+            raise ValueError(f"get_policy(spec): unknown dtype {value.strip()!r} in {token!r}. {_spec_help()}")
+        fields[field] = name
+    param = fields.get("param", "float32")
+    compute = fields.get("compute", param)
+    output = fields.get("output", param)
+    return Policy(param, compute, output)

@@ -1,0 +1,44 @@
+"""Helpers shared by tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(source: str, *, devices: int | None = None, timeout: float = 300) -> str:
+    """Runs ``source`` in a fresh Python process and returns its stdout.
+
+    With ``devices=N`` the process sees N fake CPU devices
+    (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` is set before JAX
+    is imported). The child uses strict dtype promotion like the suite.
+    Raises AssertionError with the child's output if it fails.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
+    if devices is not None:
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def run_with_devices(source: str, n: int = 8, *, timeout: float = 300) -> str:
+    """Runs ``source`` in a subprocess with ``n`` fake CPU devices; returns stdout."""
+    return run_python(source, devices=n, timeout=timeout)

@@ -1,0 +1,69 @@
+"""Package layout contracts: import isolation, public API, typing marker."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fmp
+from tests.helpers import ROOT, run_python, run_with_devices
+
+
+def test_import_fmp_does_not_import_torch_optax_flax():
+    out = run_python(
+        """
+        import sys
+        import fmp
+        heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'optax', 'flax'})
+        print(heavy)
+        """
+    )
+    assert out.strip() == "[]"
+
+
+def test_all_is_sorted_and_resolves():
+    assert fmp.__all__ == sorted(fmp.__all__)
+    for name in fmp.__all__:
+        assert getattr(fmp, name) is not None
+
+
+def test_py_typed_is_shipped():
+    assert (Path(fmp.__file__).parent / "py.typed").exists()
+
+
+def test_core_imports_neither_jax_nor_torch():
+    # The framework-neutral core must stay framework-neutral.
+    for path in (ROOT / "fmp" / "_core").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in {"jax", "jaxlib", "torch", "optax", "flax"}, (path, name)
+
+
+def test_imports_point_downward():
+    # fmp._core never imports from the rest of fmp (no cycles through the core).
+    for path in (ROOT / "fmp" / "_core").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fmp."):
+                assert node.module.startswith("fmp._core"), (path, node.module)
+
+
+def test_eight_fake_devices_helper():
+    out = run_with_devices(
+        """
+        import jax, jax.numpy as jnp
+        import fmp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = jax.make_mesh((8,), ("d",))
+        x = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("d")))
+        y = fmp.get_policy("mixed_bfloat16").cast_to_compute(x)
+        print(jax.device_count(), y.dtype, len(y.sharding.device_set))
+        """
+    )
+    assert out.split() == ["8", "bfloat16", "8"]
