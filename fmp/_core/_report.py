@@ -1,0 +1,141 @@
+"""The per-operation precision report shared by ``fmp.explain`` (JAX) and the torch FX explain.
+
+Framework-neutral: a report is a list of :class:`OpRecord` rows plus a summary,
+so a user can put the JAX and the torch precision maps side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One operation after the rewrite.
+
+    Attributes:
+      index: Position in program order (nested bodies are flattened in order).
+      op: Primitive or op name (``"dot_general"``, ``"aten::mm"``).
+      source: The user's source line (``"model.py:12 (forward)"``), or ``""``.
+      scope: Name scope / module path the op came from, or ``""``.
+      category: The rule that decided it (a ``Category`` value, or ``"cast"``
+        for a cast fmp inserted, ``"user_cast"`` for one the user wrote).
+      in_before, in_after: Floating input dtype names before / after the rewrite.
+      out_before, out_after: Output dtype names before / after the rewrite.
+      flops: Estimated floating-point operations (0 when unknown or negligible).
+    """
+
+    index: int
+    op: str
+    source: str
+    scope: str
+    category: str
+    in_before: tuple[str, ...]
+    in_after: tuple[str, ...]
+    out_before: tuple[str, ...]
+    out_after: tuple[str, ...]
+    flops: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+LOW = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A precision report: every operation's dtypes after the rewrite, and a summary.
+
+    ``str(report)`` is a readable table; ``report.to_dict()`` a JSON-ready dict.
+    """
+
+    records: tuple[OpRecord, ...]
+    policy: str
+    framework: str
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Totals: FLOPs and their low-precision share, casts inserted, float32 islands."""
+        total = sum(r.flops for r in self.records)
+        low = sum(r.flops for r in self.records if any(d in LOW for d in r.out_after))
+        casts = sum(1 for r in self.records if r.category == "cast")
+        islands = 0
+        inside = False
+        for r in self.records:
+            is_f32 = r.category == "float32" and "float32" in r.out_after
+            if is_f32 and not inside:
+                islands += 1
+            if r.category != "cast":
+                inside = is_f32
+        return {
+            "ops": len(self.records),
+            "flops": total,
+            "low_precision_flops": low,
+            "low_precision_flop_share": (low / total) if total else 0.0,
+            "casts_inserted": casts,
+            "float32_islands": islands,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "framework": self.framework,
+            "policy": self.policy,
+            "records": [r.to_dict() for r in self.records],
+            "summary": self.summary,
+        }
+
+    def filter(self, *, op: str | None = None, category: str | None = None) -> Report:
+        """The rows of one op name and/or one category."""
+        rows = tuple(
+            r for r in self.records if (op is None or r.op == op) and (category is None or r.category == category)
+        )
+        return dataclasses.replace(self, records=rows)
+
+    def __str__(self) -> str:
+        return format_table(self.records, self.summary, title=f"fmp precision report ({self.framework}, {self.policy})")
+
+
+def _dtypes(names: Iterable[str]) -> str:
+    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+    return ",".join(short.get(n, n) for n in names) or "-"
+
+
+def _flops(x: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}" if x else ""
+
+
+def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: str) -> str:
+    """Formats records as a fixed-width table followed by the summary."""
+    header = ("#", "op", "rule", "in before", "in after", "out before", "out after", "flops", "source")
+    rows = [
+        (
+            str(r.index),
+            r.op,
+            r.category,
+            _dtypes(r.in_before),
+            _dtypes(r.in_after),
+            _dtypes(r.out_before),
+            _dtypes(r.out_after),
+            _flops(r.flops),
+            r.source,
+        )
+        for r in records
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
+    out = [title, line, "-" * len(line)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    out.append("")
+    share = summary.get("low_precision_flop_share", 0.0)
+    out.append(
+        f"{summary.get('ops', 0)} ops, {_flops(summary.get('flops', 0)) or 0} flops, "
+        f"{share:.1%} of flops in low precision, {summary.get('casts_inserted', 0)} casts inserted, "
+        f"{summary.get('float32_islands', 0)} float32 islands"
+    )
+    return "\n".join(out)
