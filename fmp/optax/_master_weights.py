@@ -20,8 +20,7 @@ _MSG_NO_PARAMS = (
 )
 _MSG_MASTER_DTYPE = "master_dtype must be a floating dtype such as jnp.float32, got {!r}"
 _MSG_FIND = (
-    "master_params: expected exactly one MasterWeightsState inside opt_state (from fmp.optax.master_weights), "
-    "found {}."
+    "master_params: expected exactly one MasterWeightsState inside opt_state (from fmp.optax.master_weights), found {}."
 )
 
 
