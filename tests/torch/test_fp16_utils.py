@@ -493,6 +493,47 @@ def test_multiple_losses_delayed_master_grads():
         torch.testing.assert_close(g, p.grad, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_naive_multiple_backward_calls_are_right_for_fp32_params(dynamic):
+    # backward(loss1); backward(loss2) (each updating the master grads) must equal the delayed path,
+    # also for the float32 param (apex divided its first grads twice) and when a dynamic scale grows
+    # between the two calls (window 1: the scale doubles after every update).
+    x, y = _data()[0]
+
+    def losses(model):
+        out = model(x)
+        return torch.nn.functional.mse_loss(out, y), out.abs().mean()
+
+    def master_grads(naive):
+        torch.manual_seed(0)
+        model = _Mixed()
+        kwargs = (
+            {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2.0**8, "scale_window": 1}}
+            if dynamic
+            else {"static_loss_scale": 2.0**8}
+        )
+        optimizer = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False, **kwargs)
+        loss1, loss2 = losses(model)
+        optimizer.backward(loss1, update_master_grads=naive, retain_graph=True)
+        optimizer.backward(loss2, update_master_grads=naive)
+        if not naive:
+            optimizer.update_master_grads()
+        optimizer.update_master_grads()  # a repeated call is harmless
+        return [g.clone() for g in optimizer.inspect_master_grad_data()[0]], optimizer.loss_scale
+
+    (naive, scale_naive), (delayed, _) = master_grads(True), master_grads(False)
+    if dynamic:
+        assert scale_naive == 2.0**11  # three updates, three doublings
+    assert _same(naive, delayed)
+    torch.manual_seed(0)
+    ref = _Mixed()
+    ref.lin.float()
+    out = ref.lin(x) * ref.gain
+    (torch.nn.functional.mse_loss(out, y) + out.abs().mean()).backward()
+    for g, p in zip(naive, ref.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=2e-2, atol=2e-3)
+
+
 # ---------------------------------------------------------------- checkpoint and resume
 
 

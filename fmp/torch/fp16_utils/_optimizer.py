@@ -46,6 +46,9 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
       kernel (one pass that checks and unscales, reduced on device, one host sync per step), never by
       summing each gradient; apex's Python fallback flagged finite grads whose sum overflows;
     * a half parameter whose ``.grad`` is None gets a master grad of None (apex kept a stale master grad);
+    * several ``backward(loss)`` calls with ``update_master_grads=True`` before ``zero_grad`` give the
+      right master grads for float32 params too (apex divided the earlier grads twice), and stay right
+      when a dynamic scale changes between the calls;
     * bfloat16 parameters get masters too; other dtypes raise ``TypeError``;
     * ``state_dict()['loss_scaler']`` is a dict of Python scalars (torch's five scaler keys plus
       ``dynamic``, ``min_loss_scale``, ``max_loss_scale``), not a pickled object, so ``torch.load`` with its
@@ -140,6 +143,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
         self.overflow = False
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
+        self._unscaled_by: float | None = None  # the scale the last update_master_grads divided by
 
     def maybe_print(self, msg: str) -> None:
         """Prints ``msg`` if ``verbose``."""
@@ -154,6 +158,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
 
     def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803  (apex's name)
         """Zeros (or sets to None) the grads of the masters, the float32 params and the half model params."""
+        self._unscaled_by = None
         for p in [p for g in self.optimizer.param_groups for p in g["params"]] + self.all_fp16_params:
             if set_grads_to_None:
                 p.grad = None
@@ -162,9 +167,9 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
                 p.grad.zero_()
 
     def _master_params_to_model_params(self) -> None:
-        with torch.no_grad():
-            for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params, strict=True):
-                model.copy_(master)
+        if self.all_fp16_params:
+            with torch.no_grad():
+                torch._foreach_copy_(self.all_fp16_params, self.all_fp32_from_fp16_params)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> torch.Tensor | int:
         """Clips the float32 master gradients with ``torch.nn.utils.clip_grad_norm_``.
@@ -274,6 +279,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
             :meth:`update_master_grads` once (each call also advances the dynamic scale schedule).
           retain_graph: Forwarded to ``Tensor.backward``.
         """
+        self._rescale_unscaled_grads()
         scaled_loss = loss.float() * self.loss_scaler.loss_scale()
         scaled_loss.backward(retain_graph=retain_graph)
         if update_master_grads:
@@ -285,6 +291,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
         Float32 parameters are unscaled in place. With dynamic scaling this also checks every element for
         inf/NaN, sets ``self.overflow`` and updates the scale.
         """
+        self._rescale_unscaled_grads()
         self.loss_scaler.clear_overflow_state()
         grads: list[torch.Tensor] = []
         with torch.no_grad():
@@ -297,8 +304,29 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
                 master.grad.copy_(model.grad)
                 grads.append(master.grad)
         grads.extend(p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None)
+        self._unscaled_by = self.loss_scaler.loss_scale()
         self.loss_scaler.unscale(grads)
         self.overflow = self.loss_scaler.update_scale()
+
+    def _rescale_unscaled_grads(self) -> None:
+        """Brings grads left by an earlier :meth:`update_master_grads` back to the current loss scale.
+
+        Another backward pass before ``zero_grad`` adds scaled grads to them: float32 params were unscaled
+        in place, and half model grads carry the scale of that time, which a dynamic update may have
+        changed since. apex mixed the two (its docs call the two-call pattern valid; for float32 params it
+        was not); here both are rescaled first, exactly for power-of-two scales.
+        """
+        if self._unscaled_by is None:
+            return
+        old, new = self._unscaled_by, self.loss_scaler.loss_scale()
+        self._unscaled_by = None
+        with torch.no_grad():
+            full = [p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None]
+            if full and new != 1.0:
+                torch._foreach_mul_(full, new)
+            half = [p.grad for p in self.all_fp16_params if p.grad is not None]
+            if half and new != old:
+                torch._foreach_mul_(half, new / old)
 
     def inspect_master_grad_data(self) -> list[list[torch.Tensor | None]] | None:
         """The float32 master gradients, one list per param group (None after an overflow, with a warning)."""
