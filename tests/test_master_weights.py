@@ -26,7 +26,7 @@ def _params(dtype, seed=0):
 
 
 def _grads(params, seed):
-    keys = jax.random.split(jax.random.key(seed), 2)
+    keys = jax.random.split(jax.random.key(seed), len(params))
     return {
         name: (1e-2 * jax.random.normal(k, p.shape, jnp.float32)).astype(p.dtype)
         for (name, p), k in zip(sorted(params.items()), keys, strict=True)
@@ -49,7 +49,7 @@ def test_state_layout_and_dtypes(dtype):
 
 @pytest.mark.parametrize("dtype", LOW)
 def test_updates_land_exactly_on_cast_master_under_jit(dtype):
-    params = _params(dtype)
+    params = {**_params(dtype), "f32": jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)}  # no master for f32
     opt = fmp.optax.master_weights(optax.sgd(1e-2, momentum=0.9))
     state = opt.init(params)
     traces = []
@@ -62,9 +62,10 @@ def test_updates_land_exactly_on_cast_master_under_jit(dtype):
 
     for i in range(50):
         new_params, new_state, updates = step(params, state, _grads(params, i))
-        assert all(u.dtype == dtype for u in jax.tree.leaves(updates))
+        assert jax.tree.map(lambda u: u.dtype, updates) == jax.tree.map(lambda p: p.dtype, params)
         assert jax.tree.map(lambda p: p.dtype, new_params) == jax.tree.map(lambda p: p.dtype, params)
-        for name in params:
+        assert new_state.master["f32"] is None
+        for name in ("w", "b"):
             np.testing.assert_array_equal(new_params[name], new_state.master[name].astype(dtype))
         jax.lax.cond(True, lambda s=state: s, lambda s=new_state: s)  # state structure and dtypes are stable
         params, state = new_params, new_state

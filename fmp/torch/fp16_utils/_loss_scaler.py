@@ -273,10 +273,9 @@ class _AmpLossScaler:
             for device, found in non_finite_check(grads, inv).items():
                 prev = self._found.get(device)
                 self._found[device] = found if prev is None else prev + found
-        elif inv != 1.0:
+        elif inv != 1.0 and grads:
             with torch.no_grad():
-                for g in grads:
-                    g.mul_(inv)
+                torch._foreach_mul_(grads, inv)
 
     def update_scale(self) -> bool:
         """Advances the schedule; returns True if this step must be skipped (dynamic and overflowed)."""

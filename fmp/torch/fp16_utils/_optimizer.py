@@ -294,15 +294,18 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
         self._rescale_unscaled_grads()
         self.loss_scaler.clear_overflow_state()
         grads: list[torch.Tensor] = []
-        with torch.no_grad():
-            for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params, strict=True):
-                if model.grad is None:
-                    master.grad = None
-                    continue
-                if master.grad is None:
-                    master.grad = torch.empty_like(master)
-                master.grad.copy_(model.grad)
-                grads.append(master.grad)
+        sources: list[torch.Tensor] = []
+        for model, master in zip(self.all_fp16_params, self.all_fp32_from_fp16_params, strict=True):
+            if model.grad is None:
+                master.grad = None
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master)
+            grads.append(master.grad)
+            sources.append(model.grad)
+        if grads:
+            with torch.no_grad():
+                torch._foreach_copy_(grads, sources)
         grads.extend(p.grad for p in self.all_fp32_from_fp32_params if p.grad is not None)
         self._unscaled_by = self.loss_scaler.loss_scale()
         self.loss_scaler.unscale(grads)
