@@ -196,6 +196,8 @@ def test_errors():
         fmp.optax.master_weights(optax.sgd(0.1), master_dtype=jnp.int32)
     with pytest.raises(TypeError, match="master_dtype must be a floating dtype"):
         fmp.optax.master_weights(optax.sgd(0.1), master_dtype="not a dtype")
+    with pytest.raises(ValueError, match="needs 64-bit JAX"):
+        fmp.optax.master_weights(optax.sgd(0.1), master_dtype=jnp.float64)
     with pytest.raises(ValueError, match="found 0"):
         fmp.optax.master_params(optax.sgd(0.1).init(params), params)
 

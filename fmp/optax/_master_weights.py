@@ -81,7 +81,8 @@ def master_weights(
 
     Raises:
       TypeError: ``master_dtype`` is not a floating dtype.
-      ValueError: ``update`` is called without ``params``.
+      ValueError: ``master_dtype`` is 64-bit while ``jax_enable_x64`` is off, or ``update`` is called
+        without ``params``.
 
     Examples:
       >>> import optax
@@ -103,6 +104,11 @@ def master_weights(
         raise TypeError(_MSG_MASTER_DTYPE.format(master_dtype)) from None
     if not jnp.issubdtype(mdtype, jnp.floating):
         raise TypeError(_MSG_MASTER_DTYPE.format(master_dtype))
+    if mdtype.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"master_dtype={mdtype.name} needs 64-bit JAX (jax.config.update('jax_enable_x64', True)); "
+            "without it JAX would silently keep float32 masters"
+        )
     inner = optax.with_extra_args_support(inner)
 
     def full_master(master: Any, params: Any) -> Any:
