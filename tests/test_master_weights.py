@@ -231,3 +231,17 @@ def test_plain_bfloat16_visibly_stalls(curves):
     assert s["final loss bf16"] > 0.5 * s["initial loss"]
     assert s["final loss bf16"] > 10 * s["final loss float32"]
     assert s["plain bf16: weights that ever moved"] <= s["weights"] / 2  # most updates rounded away
+
+
+def test_outermost_master_weights_unscales_in_float32():
+    # Why master_weights goes outside loss scaling: the scaled float16 grads are cast to float32 first,
+    # so unscaling keeps grads that float16 cannot hold (1e-8 is below float16's smallest subnormal).
+    params = {"w": jnp.zeros(2, jnp.float16)}
+    scale = 2.0**20
+    scaled_grads = {"w": jnp.full(2, 1e-8 * scale, jnp.float32).astype(jnp.float16)}
+    outer = fmp.optax.master_weights(optax.chain(optax.scale(1 / scale), optax.sgd(1.0)))
+    inner = optax.chain(optax.scale(1 / scale), fmp.optax.master_weights(optax.sgd(1.0)))
+    _, s_outer = outer.update(scaled_grads, outer.init(params), params)
+    _, s_inner = inner.update(scaled_grads, inner.init(params), params)
+    assert float(s_outer.master["w"][0]) == pytest.approx(-1e-8, rel=1e-3)
+    assert float(s_inner[1].master["w"][0]) == 0.0  # the unscaled grad flushed to zero in float16
