@@ -375,3 +375,22 @@ def test_unscale_makes_no_host_sync(monkeypatch):
     s.step(o)
     monkeypatch.setattr(torch.Tensor, "item", boom)
     s.update()
+
+
+def test_grads_on_two_devices_are_bucketed_like_torch():
+    keys = []
+    for cls in IMPLS.values():
+        s = _scaled(cls, init_scale=4.0)
+        a = torch.nn.Parameter(torch.ones(2))
+        a.grad = torch.full((2,), 8.0)
+        b = torch.nn.Parameter(torch.ones(2, device="meta"))
+        b.grad = torch.ones(2, device="meta")
+        c = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+        c.grad = torch.full((2,), 8.0, dtype=torch.float64)
+        opt = torch.optim.SGD([a, b, c], lr=0.1)
+        s.unscale_(opt)
+        found = s._found_inf_per_device(opt)
+        keys.append(
+            (sorted(str(d) for d in found), found[torch.device("cpu")].item(), a.grad.tolist(), c.grad.tolist())
+        )
+    assert keys[0] == keys[1] and keys[0][0] == ["cpu", "meta"] and keys[0][2] == [2.0, 2.0]

@@ -1,0 +1,124 @@
+"""fmp.torch vs torch.amp on CPU: GradScaler step+update, and autocast forward+backward.
+
+Run from the repository root:  python bench/torch_scaler.py [--repeats N]
+
+Prints one markdown table. Timings are medians over interleaved rounds (torch, fmp,
+torch, fmp, ...) in one process, so machine noise hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fmp  # noqa: E402
+import fmp.torch  # noqa: E402
+
+
+def _mlp(width: int, depth: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def bench_scaler(repeats: int, opt_kind: str, width: int = 2048) -> tuple[float, float, int]:
+    model = _mlp(width, 6)
+    n_params = sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    saved = [p.grad.clone() for p in model.parameters()]
+    if opt_kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-6, fused=True)
+    scalers = {
+        "torch": torch.amp.GradScaler("cpu", growth_interval=10**9),
+        "fmp": fmp.torch.GradScaler("cpu", growth_interval=10**9),
+    }
+    for s in scalers.values():
+        s.scale(torch.ones(()))
+    times: dict[str, list[float]] = {k: [] for k in scalers}
+    for i in range(repeats + 2):
+        for name, scaler in scalers.items():
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), saved, strict=True):
+                    p.grad.copy_(g)
+            t0 = time.perf_counter()
+            scaler.step(opt)
+            scaler.update()
+            dt = time.perf_counter() - t0
+            if i >= 2:  # warm-up rounds
+                times[name].append(dt)
+    return _summary(times), n_params
+
+
+def bench_autocast(repeats: int, dtype: torch.dtype, custom: bool) -> tuple[float, float]:
+    model = _mlp(512, 4)
+    x = torch.randn(64, 512)
+    rules = fmp.DEFAULT_RULES.derive(framework="torch", lower_precision=["aten::relu"]) if custom else None
+
+    def run(ctx):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        with ctx:
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"torch": [], "fmp": []}
+    for i in range(repeats + 2):
+        a = run(torch.autocast("cpu", dtype=dtype))
+        b = run(fmp.torch.autocast("cpu", dtype=dtype, rules=rules))
+        if i >= 2:
+            times["torch"].append(a)
+            times["fmp"].append(b)
+    return _summary(times)
+
+
+def _summary(times: dict[str, list[float]]) -> tuple[float, float, float]:
+    """(torch median, fmp median, ratio of the minimums): the minimum is the least noisy cost estimate."""
+    return statistics.median(times["torch"]), statistics.median(times["fmp"]), min(times["fmp"]) / min(times["torch"])
+
+
+def _row(name: str, summary: tuple[float, float, float], target: str, digits: int = 2) -> str:
+    t, f, min_ratio = summary
+    return f"| {name} | {t * 1e3:.{digits}f} | {f * 1e3:.{digits}f} | {f / t:.3f}x | {min_ratio:.3f}x | {target} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print()
+    print(
+        "| benchmark | torch.amp median (ms) | fmp.torch median (ms) | ratio of medians | ratio of minimums | target |"
+    )
+    print("|---|---|---|---|---|---|")
+    for opt_kind in ("sgd", "adam_fused"):
+        summary, n = bench_scaler(args.repeats, opt_kind)
+        print(_row(f"GradScaler step+update, {n / 1e6:.1f}M params, {opt_kind}", summary, "<= 1.05x"))
+    summary, n = bench_scaler(args.repeats * 20, "sgd", width=4)
+    print(_row(f"GradScaler step+update, {n} params, sgd (fixed per-call overhead)", summary, "(none)", digits=3))
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        summary = bench_autocast(args.repeats, dtype, custom=False)
+        print(_row(f"autocast fwd+bwd, 1.1M-param MLP, batch 64, {name}, default rules", summary, "<= 1.05x"))
+    summary = bench_autocast(args.repeats, torch.bfloat16, custom=True)
+    print(_row("autocast fwd+bwd, same, bf16, custom rules (torch-function mode)", summary, "(none)"))
+
+
+if __name__ == "__main__":
+    main()
