@@ -212,7 +212,7 @@ class autocast:  # noqa: N801 (torch's name)
         self.device = self._native.device
         self.fast_dtype = self._native.fast_dtype
         self._enabled = self._native._enabled
-        self._modes: list[_RuleMode | None] = []
+        self._cache_enabled = self._native._cache_enabled
 
     def __enter__(self) -> autocast:
         custom = self._rules is not None and self._enabled
@@ -222,19 +222,18 @@ class autocast:  # noqa: N801 (torch's name)
         self._native.__enter__()
         self._native._enabled = self._enabled
         mode = _RuleMode(self._rules, self.device, self.fast_dtype) if custom else None
-        _region_stack().append((self.device, mode))
         if mode is not None:
             mode.__enter__()
-        self._modes.append(mode)
+        # per thread, so one instance may decorate a function that runs in several threads
+        _region_stack().append((self.device, mode))
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> bool:
-        mode = self._modes.pop()
+        _, mode = _region_stack().pop()
         try:
             if mode is not None:
                 mode.__exit__(exc_type, exc_val, exc_tb)
         finally:
-            _region_stack().pop()
             self._native.__exit__(exc_type, exc_val, exc_tb)
         return False
 

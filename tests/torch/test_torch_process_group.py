@@ -51,6 +51,17 @@ _RANK_SCRIPT = textwrap.dedent(
             scales.append(scaler.get_scale())
         results[name] = {"scales": scales, "skipped": skipped, "w": model.weight.detach().flatten().tolist()}
 
+    def no_grads_on_rank1():
+        p = torch.nn.Parameter(torch.ones(2))
+        if rank == 0:
+            p.grad = torch.tensor([float("inf"), 1.0])
+        scaler = fmp.torch.GradScaler("cpu", init_scale=64.0, process_group=dist.group.WORLD)
+        scaler.scale(torch.ones(()))
+        scaler.step(torch.optim.SGD([p], lr=0.1))
+        scaler.update()
+        results["no_grads_on_rank1"] = scaler.get_scale()
+
+    no_grads_on_rank1()
     loop("synced", group=dist.group.WORLD, ddp=True, inject="grad")
     loop("unsynced", group=None, ddp=True, inject="grad")
     loop("plain_ddp", group=None, ddp=True, inject="input")
@@ -86,6 +97,8 @@ def test_found_inf_is_summed_over_the_group():
         line = [x for x in out.decode().splitlines() if x.startswith("RESULT ")][-1]
         outs.append(json.loads(line[len("RESULT ") :]))
     r0, r1 = outs
+    # a rank without gradients still takes part in the all-reduce (no deadlock) and backs off too
+    assert r0["no_grads_on_rank1"] == r1["no_grads_on_rank1"] == 32.0
     # with the process group every rank skips step 1 and backs off together
     assert r0["synced"]["skipped"] == r1["synced"]["skipped"] == [False, True, False]
     assert r0["synced"]["scales"] == r1["synced"]["scales"] == [64.0, 32.0, 32.0]
