@@ -85,6 +85,19 @@ def bench_autocast(repeats: int, dtype: torch.dtype, custom: bool) -> tuple[floa
     return _summary(times)
 
 
+def bench_region(repeats: int) -> tuple[float, float, float]:
+    """Cost of entering and leaving an empty autocast region (the facade's fixed overhead)."""
+    times: dict[str, list[float]] = {"torch": [], "fmp": []}
+    for _ in range(repeats):
+        for name, ac in (("torch", torch.autocast), ("fmp", fmp.torch.autocast)):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                with ac("cpu", dtype=torch.bfloat16):
+                    pass
+            times[name].append((time.perf_counter() - t0) / 200)
+    return _summary(times)
+
+
 def _summary(times: dict[str, list[float]]) -> tuple[float, float, float]:
     """(torch median, fmp median, ratio of the minimums): the minimum is the least noisy cost estimate."""
     return statistics.median(times["torch"]), statistics.median(times["fmp"]), min(times["fmp"]) / min(times["torch"])
@@ -116,6 +129,7 @@ def main() -> None:
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         summary = bench_autocast(args.repeats, dtype, custom=False)
         print(_row(f"autocast fwd+bwd, 1.1M-param MLP, batch 64, {name}, default rules", summary, "<= 1.05x"))
+    print(_row("autocast enter+exit of an empty region (fixed per-region overhead)", bench_region(50), "(none)", 4))
     summary = bench_autocast(args.repeats, torch.bfloat16, custom=True)
     print(_row("autocast fwd+bwd, same, bf16, custom rules (torch-function mode)", summary, "(none)"))
 

@@ -394,3 +394,11 @@ def test_grads_on_two_devices_are_bucketed_like_torch():
             (sorted(str(d) for d in found), found[torch.device("cpu")].item(), a.grad.tolist(), c.grad.tolist())
         )
     assert keys[0] == keys[1] and keys[0][0] == ["cpu", "meta"] and keys[0][2] == [2.0, 2.0]
+
+
+def test_torch_ops_adapter_isfinite_and_mul_f64():
+    x = torch.tensor([0.0, 1.0, -float("inf"), float("inf"), float("nan"), 3.4028235e38, -1e-45])
+    assert torch.equal(TORCH_OPS.isfinite(x), torch.isfinite(x))
+    s = torch.tensor(3.0)
+    assert TORCH_OPS.mul_f64(s, 1.1).dtype == torch.float32
+    assert TORCH_OPS.mul_f64(s, 1.1).item() == torch.tensor(3.0 * 1.1, dtype=torch.float64).float().item()
