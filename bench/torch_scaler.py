@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fmp  # noqa: E402
 import fmp.torch  # noqa: E402
 
+_clock = time.perf_counter
+
 
 def _mlp(width: int, depth: int) -> torch.nn.Sequential:
     torch.manual_seed(0)
@@ -53,10 +55,10 @@ def bench_scaler(repeats: int, opt_kind: str, width: int = 2048) -> tuple[float,
             with torch.no_grad():
                 for p, g in zip(model.parameters(), saved, strict=True):
                     p.grad.copy_(g)
-            t0 = time.perf_counter()
+            t0 = _clock()
             scaler.step(opt)
             scaler.update()
-            dt = time.perf_counter() - t0
+            dt = _clock() - t0
             if i >= 2:  # warm-up rounds
                 times[name].append(dt)
     return _summary(times), n_params
@@ -69,11 +71,11 @@ def bench_autocast(repeats: int, dtype: torch.dtype, custom: bool) -> tuple[floa
 
     def run(ctx):
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0 = _clock()
         with ctx:
             loss = model(x).float().pow(2).mean()
         loss.backward()
-        return time.perf_counter() - t0
+        return _clock() - t0
 
     times: dict[str, list[float]] = {"torch": [], "fmp": []}
     for i in range(repeats + 2):
@@ -90,11 +92,11 @@ def bench_region(repeats: int) -> tuple[float, float, float]:
     times: dict[str, list[float]] = {"torch": [], "fmp": []}
     for _ in range(repeats):
         for name, ac in (("torch", torch.autocast), ("fmp", fmp.torch.autocast)):
-            t0 = time.perf_counter()
+            t0 = _clock()
             for _ in range(200):
                 with ac("cpu", dtype=torch.bfloat16):
                     pass
-            times[name].append((time.perf_counter() - t0) / 200)
+            times[name].append((_clock() - t0) / 200)
     return _summary(times)
 
 
@@ -111,10 +113,19 @@ def _row(name: str, summary: tuple[float, float, float], target: str, digits: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: time.perf_counter; cpu: time.process_time (this process's CPU time, all threads; "
+        "robust on a machine shared with other jobs)",
+    )
     args = parser.parse_args()
+    global _clock
+    _clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(
         f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
-        f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        f"{torch.get_num_threads()} threads, {args.clock} clock, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
     print()
     print(
