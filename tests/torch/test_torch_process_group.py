@@ -26,11 +26,11 @@ _RANK_SCRIPT = textwrap.dedent(
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, world_size=2)
     results = {}
 
-    def loop(name, *, group, ddp, inject):
+    def loop(name, *, group, ddp, inject, fused=False):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
         net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if fused else torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = fmp.torch.GradScaler("cpu", init_scale=64.0, growth_interval=100, process_group=group)
         torch.manual_seed(1 + rank)
         scales, skipped = [], []
@@ -66,6 +66,7 @@ _RANK_SCRIPT = textwrap.dedent(
     loop("unsynced", group=None, ddp=True, inject="grad")
     loop("plain_ddp", group=None, ddp=True, inject="input")
     loop("no_ddp_synced", group=dist.group.WORLD, ddp=False, inject="grad")
+    loop("fused_synced", group=dist.group.WORLD, ddp=False, inject="grad", fused=True)
     dist.barrier()
     print("RESULT " + json.dumps(results), flush=True)
     os._exit(0)  # skip the slow interpreter teardown of gloo's threads
@@ -111,3 +112,6 @@ def test_found_inf_is_summed_over_the_group():
     assert r0["plain_ddp"]["w"] == r1["plain_ddp"]["w"]
     # without DDP (independent params), the group still makes both ranks skip step 1
     assert r0["no_ddp_synced"]["skipped"] == r1["no_ddp_synced"]["skipped"] == [False, True, False]
+    # and so does the fused-optimizer path (torch's ShardedGradScaler does not all-reduce there)
+    assert r0["fused_synced"]["skipped"] == r1["fused_synced"]["skipped"] == [False, True, False]
+    assert r0["fused_synced"]["scales"] == r1["fused_synced"]["scales"] == [64.0, 32.0, 32.0]
