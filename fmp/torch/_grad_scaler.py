@@ -140,7 +140,8 @@ class GradScaler:
       process_group: Optional ``torch.distributed`` process group; if given, the
         inf flags found by ``unscale_`` are summed over it so every rank skips
         together. ``None`` (default) keeps the ranks independent, as torch's
-        ``GradScaler`` does.
+        ``GradScaler`` does. The group is not pickled: set ``_process_group``
+        again (or build a new scaler and ``load_state_dict``) after loading.
 
     Raises:
       AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` on an
