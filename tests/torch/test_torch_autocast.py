@@ -293,3 +293,14 @@ def test_legacy_custom_fwd_without_device_type_runs():
         x = torch.ones(2, requires_grad=True)
         F.apply(x).sum().backward()
     assert x.grad.tolist() == [2.0, 2.0]
+
+
+def test_custom_rules_promote_documented_difference():
+    # torch's promote starts from the autocast dtype and raises on a third float type; fmp's decide does not
+    a = torch.ones(2, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="prioritize"), torch.autocast("cpu"):
+        torch.cat([a, a])
+    rules = fmp.DEFAULT_RULES.derive(framework="torch", unlisted=["aten::mm"])
+    with fmp.torch.autocast("cpu", rules=rules):
+        assert torch.cat([a, a]).dtype == torch.float16
+        assert torch.cat([a, torch.ones(2)]).dtype == torch.float32  # any float32 wins, as in torch
