@@ -402,3 +402,23 @@ def test_torch_ops_adapter_isfinite_and_mul_f64():
     s = torch.tensor(3.0)
     assert TORCH_OPS.mul_f64(s, 1.1).dtype == torch.float32
     assert TORCH_OPS.mul_f64(s, 1.1).item() == torch.tensor(3.0 * 1.1, dtype=torch.float64).float().item()
+
+
+def test_checkpoint_crosses_to_the_jax_grad_scaler():
+    import fmp as fmp_root
+
+    if not hasattr(fmp_root, "GradScaler"):
+        pytest.skip("the JAX fmp.GradScaler is built in another branch; this runs once both are merged")
+    s = fmp.torch.GradScaler("cpu", init_scale=3.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=3)
+    s.scale(torch.ones(()))
+    for bad in (False, True, False, False):
+        p = torch.nn.Parameter(torch.ones(1))
+        p.grad = torch.tensor([float("inf") if bad else 1.0])
+        s.step(torch.optim.SGD([p], lr=0.1))
+        s.update()
+    d = s.state_dict()
+    jax_scaler = fmp_root.GradScaler.from_state_dict(d)
+    assert jax_scaler.state_dict() == d
+    back = fmp.torch.GradScaler("cpu")
+    back.load_state_dict(jax_scaler.state_dict())
+    assert back.state_dict() == d
