@@ -31,6 +31,8 @@ FMP = types.SimpleNamespace(
 
 SCENARIOS = ("typical", "clipping", "accumulation", "penalty", "multiple", "custom_function")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam_foreach", "adam_fused", "adamw")
+# more _step_supports_amp_scaling optimizers, for the slow sweep
+EXTRA_OPTIMIZERS = ("sgd_fused", "adamw_fused", "adagrad_fused")
 
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
@@ -44,6 +46,12 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=1e-2, fused=True)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "sgd_fused":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-2, fused=True)
+    if kind == "adagrad_fused":
+        return torch.optim.Adagrad(params, lr=1e-2, fused=True)
     raise ValueError(kind)
 
 
@@ -212,4 +220,4 @@ def assert_same(a, b, where=""):
         assert type(a) is type(b) and a == b, (where, a, b)
 
 
-__all__ = ["FMP", "OPTIMIZERS", "SCENARIOS", "TORCH", "assert_same", "copy", "run"]
+__all__ = ["EXTRA_OPTIMIZERS", "FMP", "OPTIMIZERS", "SCENARIOS", "TORCH", "assert_same", "copy", "run"]

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _facade_harness import FMP, OPTIMIZERS, SCENARIOS, TORCH, assert_same, run  # noqa: E402
+from _facade_harness import EXTRA_OPTIMIZERS, FMP, OPTIMIZERS, SCENARIOS, TORCH, assert_same, run  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,7 +41,7 @@ def test_harness_detects_a_difference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("opt_kind", OPTIMIZERS)
+@pytest.mark.parametrize("opt_kind", OPTIMIZERS + EXTRA_OPTIMIZERS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_long_sweep(scenario, dtype, opt_kind, seed):
