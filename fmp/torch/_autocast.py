@@ -57,8 +57,13 @@ _NAME_ALIASES = {
     "__rpow__": "pow",
     "cross_entropy": "cross_entropy_loss",
 }
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def _name(dtype: torch.dtype) -> str:
+    """Canonical dtype name (``torch.bfloat16`` -> ``"bfloat16"``); float8 types keep their own name."""
+    return str(dtype).removeprefix("torch.")
+
+
 _MSG_RULES_TYPE = "autocast(rules=...) expects an fmp.RuleSet, got {!r} of type {}"
 _MSG_POLICY_DTYPE = "autocast: dtype={} disagrees with the policy's compute dtype {}; give one of them"
 
@@ -116,7 +121,7 @@ class _RuleMode(TorchFunctionMode):
         self.rules = rules
         self.device_type = device_type
         self.dtype = dtype
-        self.dtype_name = _DTYPE_NAMES[dtype]
+        self.dtype_name = _name(dtype)
         self.index = _base_index(rules, "cuda" if device_type == "cuda" else "cpu")
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -132,15 +137,15 @@ class _RuleMode(TorchFunctionMode):
         if category is _rules.Category.BANNED:
             raise RuntimeError(self.rules.banned_message("aten::" + name))
         found: list[str] = []
-        _map_tensors(lambda t: found.append(_DTYPE_NAMES[t.dtype]) if _eligible(t, self.device_type) else None, args)
+        _map_tensors(lambda t: found.append(_name(t.dtype)) if _eligible(t, self.device_type) else None, args)
         _map_tensors(
-            lambda t: found.append(_DTYPE_NAMES[t.dtype]) if _eligible(t, self.device_type) else None,
+            lambda t: found.append(_name(t.dtype)) if _eligible(t, self.device_type) else None,
             list(kwargs.values()),
         )
         target = _rules.decide(category, self.dtype_name, found)
         if target is None:
             return func(*args, **kwargs)
-        to = _TORCH_DTYPES[target]
+        to = getattr(torch, target)
 
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(to) if _eligible(t, self.device_type) and t.dtype is not to else t
