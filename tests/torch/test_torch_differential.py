@@ -45,5 +45,8 @@ def test_harness_detects_a_difference():
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_long_sweep(scenario, dtype, opt_kind, seed):
-    kw = dict(steps=16, inject=(0, 1, 5, 11), seed=seed)
+    # torch's fused SGD leaves its momentum buffer uninitialized (torch.empty) when the very first step is
+    # skipped, so torch differs from itself there; inject after the first optimizer step for it
+    inject = (3, 5, 11) if opt_kind == "sgd_fused" else (0, 1, 5, 11)
+    kw = dict(steps=16, inject=inject, seed=seed)
     assert_same(run(TORCH, scenario, DTYPES[dtype], opt_kind, **kw), run(FMP, scenario, DTYPES[dtype], opt_kind, **kw))
