@@ -422,3 +422,29 @@ def test_checkpoint_crosses_to_the_jax_grad_scaler():
     back = fmp.torch.GradScaler("cpu")
     back.load_state_dict(jax_scaler.state_dict())
     assert back.state_dict() == d
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seq=st.lists(st.sampled_from([0, 1, 2]), min_size=1, max_size=10),
+    init=st.floats(1e-30, 3e38),
+    gf=st.floats(1.0001, 4.0),
+    bf=st.floats(0.01, 0.9999),
+    interval=st.integers(1, 4),
+)
+def test_whole_scaler_trajectory_property(seq, init, gf, bf, interval):
+    # 0: finite grads, 1: inf, 2: NaN; scale bits and tracker equal torch's after every update
+    out = {}
+    for name, cls in IMPLS.items():
+        s = cls("cpu", init_scale=init, growth_factor=gf, backoff_factor=bf, growth_interval=interval)
+        s.scale(torch.ones(()))
+        traj = []
+        for kind in seq:
+            p = torch.nn.Parameter(torch.ones(2))
+            p.grad = torch.tensor([1.0, (1.0, float("inf"), float("nan"))[kind]])
+            opt = torch.optim.SGD([p], lr=0.1)
+            s.step(opt)
+            s.update()
+            traj.append((s._scale.view(torch.int32).item(), s._growth_tracker.item(), p.detach().tolist()))
+        out[name] = (traj, s.state_dict())
+    assert out["fmp"] == out["torch"]
