@@ -3,6 +3,15 @@
 Importing this module imports torch; ``import fmp`` never does.
 """
 
-import torch as _torch  # noqa: F401  (fail early with a clear ImportError if torch is missing)
+from fmp.torch import cuda as cuda
+from fmp.torch._autocast import autocast as autocast
+from fmp.torch._custom import custom_bwd as custom_bwd
+from fmp.torch._custom import custom_fwd as custom_fwd
+from fmp.torch._grad_scaler import GradScaler as GradScaler
 
-__all__: list[str] = []
+__all__ = [
+    "GradScaler",
+    "autocast",
+    "custom_bwd",
+    "custom_fwd",
+]
