@@ -18,6 +18,8 @@ from fmp._policy import Policy, get_policy
 def flops(eqn: JaxprEqn) -> float:
     """Estimated floating-point operations of a matmul or convolution (0 for other ops)."""
     name = eqn.primitive.name
+    if name not in ("dot_general", "conv_general_dilated"):
+        return 0.0
     out = eqn.outvars[0].aval
     if name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]

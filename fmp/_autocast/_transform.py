@@ -265,7 +265,9 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
     cur = [aval_of(x) for x in invals]
     orig = [v.aval for v in eqn.invars]
     floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and _is_castable(a.dtype)]
-    strong = [np.dtype(cur[i].dtype).name for i in floats if not cur[i].weak_type]
+    # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
+    follow = {i for i in floats if cur[i].weak_type or (isinstance(eqn.invars[i], Literal) and not cur[i].shape)}
+    strong = [np.dtype(cur[i].dtype).name for i in floats if i not in follow]
     compute = policy.compute_dtype.name
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
