@@ -259,3 +259,31 @@ def test_explain_does_not_compute():
 
     fmp.explain(f)(X)
     assert calls == []
+
+
+def test_custom_vjp_fwd_rule_is_autocast_under_grad():
+    @jax.custom_vjp
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = jnp.tanh(x @ w)
+        return y, (y,)
+
+    f.defvjp(fwd, lambda res, g: (g * 2.0, jnp.full((4, 4), 7.0)))
+    loss = lambda x, w: fmp.autocast(f)(x, w).sum()  # noqa: E731
+    cj = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(X, W)
+    assert in_dtypes(cj, "dot_general") == [BF]  # the forward that runs under grad is the fwd rule
+    gx, gw = jax.grad(loss, argnums=(0, 1))(X, W)
+    np.testing.assert_array_equal(gx, jnp.full((4, 4), 2.0))
+    np.testing.assert_array_equal(gw, jnp.full((4, 4), 7.0))
+
+
+def test_custom_jvp_rule_is_autocast():
+    @jax.custom_jvp
+    def f(x, w):
+        return x @ w
+
+    f.defjvp(lambda p, t: (f(*p), t[0] @ p[1] + p[0] @ t[1]))
+    cj = jax.make_jaxpr(lambda x, w: jax.jvp(fmp.autocast(f), (x, w), (x, w)))(X, W)
+    assert in_dtypes(cj, "dot_general") and all(d == BF for d in in_dtypes(cj, "dot_general"))

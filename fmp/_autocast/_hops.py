@@ -97,15 +97,24 @@ def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
 
 
 def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    """custom_jvp_call / custom_vjp_call: the primal body is rewritten; the rules are kept.
+    """custom_jvp_call / custom_vjp_call: the primal body and the jvp / fwd rule are rewritten.
 
-    Inputs and outputs keep the dtypes of the original program, which the
-    user's jvp / fwd / bwd rules were written for.
+    The rules themselves are kept (a custom derivative still applies), and the
+    call's inputs and outputs, the jvp rule's tangents and the fwd rule's
+    residuals keep the dtypes of the original program, which the user's rules
+    were written for. The bwd rule of a custom_vjp runs as written.
     """
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
     invals = _pin(invals, closed.in_avals, ctx)
     new = transform_closed(closed, closed.in_avals, ctx, scope, _dtypes(closed.out_avals))
-    return bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+    params = dict(eqn.params, call_jaxpr=new)
+
+    def rewrite(rule: ClosedJaxpr) -> ClosedJaxpr:  # the rule's own types are kept at its boundary
+        return transform_closed(rule, rule.in_avals, ctx, scope, _dtypes(rule.out_avals))
+
+    thunk = "jvp_jaxpr_fun" if eqn.primitive is custom_jvp_call_p else "fwd_jaxpr_thunk"
+    params[thunk] = _jax_internals.rewrap_rule_thunk(params[thunk], rewrite)
+    return bind(eqn, invals, params)
 
 
 def _shard_map(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

@@ -23,7 +23,7 @@ try:  # FlatTree: the container shard_map's body function returns since JAX 0.10
 except ImportError:  # pragma: no cover - depends on the JAX version
     FlatTree = None  # type: ignore[assignment,misc]
 
-__all__ = ["bind_shard_map", "shard_map_p", "trace_to_closed_jaxpr"]
+__all__ = ["bind_shard_map", "rewrap_rule_thunk", "shard_map_p", "trace_to_closed_jaxpr"]
 
 
 def trace_to_closed_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str) -> ClosedJaxpr:
@@ -52,3 +52,19 @@ def bind_shard_map(args: Sequence[Any], params: dict[str, Any], body: Callable[.
     new_params["subfuns"] = (fun,)
     new_params["debug_info"] = jaxpr.debug_info
     return list(shard_map_p.bind(*args, **new_params))
+
+
+def rewrap_rule_thunk(thunk: Any, rewrite: Callable[[ClosedJaxpr], ClosedJaxpr]) -> Any:
+    """Wraps a custom-derivative rule thunk so the jaxpr it returns is rewritten.
+
+    ``custom_vjp_call``'s ``fwd_jaxpr_thunk`` returns ``(jaxpr, consts)`` and
+    ``custom_jvp_call``'s ``jvp_jaxpr_fun`` returns ``(jaxpr, consts, out_zeros)``;
+    JAX evaluates the jaxpr with the consts. The wrapper keeps that contract.
+    """
+
+    def wrapped(*zeros: Any) -> Any:
+        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+        new = rewrite(ClosedJaxpr(jaxpr, consts))
+        return (new.jaxpr, new.consts, *rest)
+
+    return lu.wrap_init(wrapped, debug_info=thunk.debug_info)

@@ -10,6 +10,7 @@ already in the compute dtype is not cast again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -184,8 +185,40 @@ def transform_closed(
     prefix: str,
     out_dtypes: Sequence[Any] | None = None,
 ) -> ClosedJaxpr:
-    """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free)."""
+    """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free).
 
+    Results are memoised on the jaxpr object and the configuration (not while
+    recording for explain, nor for jaxprs closing over tracers): JAX reuses
+    jaxpr objects for repeated calls (two ``softmax`` calls share one), and
+    handing JAX back the same rewritten object lets it reuse its own caches.
+    """
+    key = None
+    if ctx.records is None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        dts = None if out_dtypes is None else tuple(None if d is None else np.dtype(d) for d in out_dtypes)
+        key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts)
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes)
+    if key is not None:
+        _CACHE[key] = result
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return result
+
+
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+_CACHE_SIZE = 1024
+
+
+def _transform_closed(
+    closed: ClosedJaxpr,
+    in_avals: Sequence[Any],
+    ctx: Context,
+    prefix: str,
+    out_dtypes: Sequence[Any] | None,
+) -> ClosedJaxpr:
     def fun(*args: Any) -> list[Any]:
         outs = eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, prefix)
         if out_dtypes is None:
