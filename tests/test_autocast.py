@@ -238,3 +238,20 @@ def test_no_recompile_on_second_call():
     f(p, X)
     f(p, X + 1)
     assert len(traces) == 1
+
+
+def test_jax_internals_are_imported_in_one_module_only():
+    import ast
+
+    from helpers import ROOT
+
+    allowed = ROOT / "fmp" / "_autocast" / "_jax_internals.py"
+    for path in (ROOT / "fmp").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if any(n.startswith("jax._src") for n in names):
+                assert path == allowed, f"{path} imports {names}; move it to {allowed.name}"
