@@ -33,7 +33,7 @@ REGION_SCOPE = "fmp_autocast"
 
 # Primitives whose sub-jaxpr is a scalar reducer, not user code: they run in the
 # dtypes of the original program, unchanged.
-OPAQUE = frozenset({"reduce", "reduce_window", "select_and_scatter", "argsort"})
+OPAQUE = frozenset({"reduce", "reduce_window", "select_and_scatter"})
 
 # Primitives whose meaning depends on the exact input dtype: always given the
 # original dtypes back.
@@ -187,13 +187,14 @@ def transform_closed(
 ) -> ClosedJaxpr:
     """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free).
 
-    Results are memoised on the jaxpr object and the configuration (not while
-    recording for explain, nor for jaxprs closing over tracers): JAX reuses
-    jaxpr objects for repeated calls (two ``softmax`` calls share one), and
-    handing JAX back the same rewritten object lets it reuse its own caches.
+    Results are memoised on the jaxpr object and the configuration, for
+    jaxprs without constants (so no cached entry keeps arrays or tracers
+    alive) and not while recording for explain: JAX reuses jaxpr objects for
+    repeated calls (two ``softmax`` calls share one), and handing JAX back the
+    same rewritten object lets it reuse its own caches.
     """
     key = None
-    if ctx.records is None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+    if ctx.records is None and not closed.consts:
         dts = None if out_dtypes is None else tuple(None if d is None else np.dtype(d) for d in out_dtypes)
         key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts)
         hit = _CACHE.get(key)
@@ -391,7 +392,7 @@ def rewrite_top(closed: ClosedJaxpr, ctx: Context) -> ClosedJaxpr:
         ctx.policy.output_dtype if np.dtype(a.dtype).name == "float32" else a.dtype if _is_castable(a.dtype) else None
         for a in closed.out_avals
     ]
-    return transform_closed(closed, closed.in_avals, ctx, "", out_dtypes)
+    return _transform_closed(closed, closed.in_avals, ctx, "", out_dtypes)  # a fresh jaxpr per call: no memo
 
 
 Handler = Callable[[JaxprEqn, list[Any], Context, str], list[Any]]
