@@ -255,3 +255,14 @@ def test_jax_internals_are_imported_in_one_module_only():
                 names = [node.module or ""]
             if any(n.startswith("jax._src") for n in names):
                 assert path == allowed, f"{path} imports {names}; move it to {allowed.name}"
+
+
+def test_autocast_evaluates_the_program_autocast_jaxpr_returns():
+    p = _mlp_params()
+    via_fn = jax.make_jaxpr(fmp.autocast(mlp))(p, X)
+    via_jaxpr = fmp.autocast_jaxpr(jax.make_jaxpr(mlp)(p, X))
+
+    def prims(cj):
+        return [(e.primitive.name, tuple(str(v.aval) for v in e.outvars)) for e in all_eqns(cj)]
+
+    assert prims(via_fn) == prims(via_jaxpr)

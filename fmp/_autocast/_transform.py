@@ -387,12 +387,24 @@ def autocast_jaxpr(
     return rewrite_top(closed_jaxpr, ctx)
 
 
-def rewrite_top(closed: ClosedJaxpr, ctx: Context) -> ClosedJaxpr:
-    out_dtypes = [
+def _top_out_dtypes(closed: ClosedJaxpr, ctx: Context) -> list[Any]:
+    """float32 outputs -> the policy's output dtype; other floating outputs keep their dtype."""
+    return [
         ctx.policy.output_dtype if np.dtype(a.dtype).name == "float32" else a.dtype if _is_castable(a.dtype) else None
         for a in closed.out_avals
     ]
-    return _transform_closed(closed, closed.in_avals, ctx, "", out_dtypes)  # a fresh jaxpr per call: no memo
+
+
+def rewrite_top(closed: ClosedJaxpr, ctx: Context) -> ClosedJaxpr:
+    """The rewritten program as a new closed jaxpr."""
+    return _transform_closed(closed, closed.in_avals, ctx, "", _top_out_dtypes(closed, ctx))
+
+
+def run_top(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> list[Any]:
+    """Evaluates the rewritten program directly in the caller's trace (one trace fewer than
+    ``jaxpr_as_fun(rewrite_top(...))``, with the same equations)."""
+    outs = eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, "")
+    return [o if d is None else cast(o, d, ctx) for o, d in zip(outs, _top_out_dtypes(closed, ctx), strict=True)]
 
 
 Handler = Callable[[JaxprEqn, list[Any], Context, str], list[Any]]

@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr
 
-from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, rewrite_top
+from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
 from fmp._core._rules import RuleSet
 from fmp._policy import Policy, get_policy
 
@@ -51,8 +51,8 @@ def autocast(
 ) -> Any:
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
-    ``fn`` is traced to a jaxpr, rewritten by :func:`fmp.autocast_jaxpr` and
-    evaluated in the caller's trace, so the result composes with ``jax.jit``,
+    ``fn`` is traced to a jaxpr and its rewrite (the program
+    :func:`fmp.autocast_jaxpr` returns) is evaluated in the caller's trace, so the result composes with ``jax.jit``,
     ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
     the policy's compute dtype, exponentials, logarithms, powers and sums in
     float32, multi-input elementwise ops in their widest input (the rule table
@@ -114,9 +114,8 @@ def autocast(
             with jax.named_scope(REGION_SCOPE):
                 return fn(*args, **kwargs)
         closed, arrays, out_tree = trace(fn, args, kwargs)
-        new = rewrite_top(closed, Context(pol, ruleset, over))
         with jax.named_scope(REGION_SCOPE):
-            outs = jaxpr_as_fun(new)(*arrays)
+            outs = run_top(closed, arrays, Context(pol, ruleset, over))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
