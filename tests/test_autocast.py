@@ -266,3 +266,19 @@ def test_autocast_evaluates_the_program_autocast_jaxpr_returns():
         return [(e.primitive.name, tuple(str(v.aval) for v in e.outvars)) for e in all_eqns(cj)]
 
     assert prims(via_fn) == prims(via_jaxpr)
+
+
+def test_scatter_reduce_window_sort_run_as_written():
+    def f(x, w):
+        y = (x @ w).at[0].add(x[1]).at[jnp.array([1, 2])].set(1.0)
+        pooled = jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (2, 2), (1, 1), "VALID")
+        return jnp.sort(pooled, axis=1).cumsum(0).sum() + jax.nn.logsumexp(y)
+
+    x, w = jnp.linspace(0, 1, 16).reshape(4, 4), jnp.eye(4)
+    cj = rewritten(f, x, w)
+    assert in_dtypes(cj, "dot_general") == [("bfloat16", "bfloat16")]
+    assert all(d[0] == "float32" for d in in_dtypes(cj, "scatter-add"))  # restored to the original dtype
+    rep = fmp.explain(f)(x, w)
+    assert {r.category for r in rep.records if r.op.startswith("scatter")} == {"opaque"}
+    np.testing.assert_allclose(fmp.autocast(f)(x, w), f(x, w), rtol=2e-2)
+    assert jax.grad(fmp.autocast(f))(x, w).dtype == jnp.float32

@@ -31,9 +31,23 @@ from fmp._policy import Policy, get_policy
 # equation under this scope as the inner region decided it.
 REGION_SCOPE = "fmp_autocast"
 
-# Primitives whose sub-jaxpr is a scalar reducer, not user code: they run in the
-# dtypes of the original program, unchanged.
-OPAQUE = frozenset({"reduce", "reduce_window", "select_and_scatter"})
+# Primitives whose sub-jaxpr is a scalar combiner typed for the original dtype,
+# not user code: they run in the dtypes of the original program, unchanged.
+OPAQUE = frozenset(
+    {
+        "reduce",
+        "reduce_window",
+        "select_and_scatter",
+        "select_and_scatter_add",
+        "select_and_gather_add",
+        "scatter",
+        "scatter-add",
+        "scatter-sub",
+        "scatter-mul",
+        "scatter-min",
+        "scatter-max",
+    }
+)
 
 # Primitives whose meaning depends on the exact input dtype: always given the
 # original dtypes back.
@@ -265,7 +279,7 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     if mode == "nested" or prim.name in OPAQUE or prim.name in EXACT_DTYPE:
         invals = restore(eqn, invals, ctx, scope)
         outs = bind(eqn, invals, eqn.params)
-        _record_eqn(eqn, ctx, scope, "nested" if mode == "nested" else "unlisted", invals, outs)
+        _record_eqn(eqn, ctx, scope, "nested" if mode == "nested" else "opaque", invals, outs)
         return outs
     if mode == "override":
         invals = restore(eqn, invals, ctx, scope)
