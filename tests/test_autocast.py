@@ -282,3 +282,17 @@ def test_scatter_reduce_window_sort_run_as_written():
     assert {r.category for r in rep.records if r.op.startswith("scatter")} == {"opaque"}
     np.testing.assert_allclose(fmp.autocast(f)(x, w), f(x, w), rtol=2e-2)
     assert jax.grad(fmp.autocast(f))(x, w).dtype == jnp.float32
+
+
+def test_prng_keys_inside_and_as_arguments():
+    def f(key, x, w):
+        k1, k2 = jax.random.split(key)
+        keep = jax.random.bernoulli(k1, 0.5, x.shape)
+        y = jnp.where(keep, x @ w, 0.0) + jax.random.normal(k2, x.shape)
+        return jax.lax.scan(lambda c, k: (c + jax.random.uniform(k, c.shape), None), y, jax.random.split(k2, 2))[0]
+
+    args = (jax.random.key(0), jnp.ones((4, 4)), jnp.eye(4))
+    cj = rewritten(f, *args)
+    assert in_dtypes(cj, "dot_general") == [("bfloat16", "bfloat16")]
+    np.testing.assert_allclose(fmp.autocast(f)(*args), f(*args), rtol=1e-2)
+    assert jax.grad(lambda *a: fmp.autocast(f)(*a).sum(), argnums=2)(*args).dtype == jnp.float32

@@ -149,3 +149,34 @@ def test_linen_cnn_trains_close_to_float32():
     assert rep.summary["low_precision_flop_share"] == 1.0
     text = str(rep)
     assert "conv_general_dilated" in text
+
+
+class _Stateful(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.MultiHeadDotProductAttention(num_heads=2)(x[None])[0]
+
+
+def test_linen_batchnorm_dropout_attention_with_mutable_state():
+    m, x = _Stateful(), jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+    v = m.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x, False)
+
+    def loss(params, x):
+        out, state = m.apply(
+            {**v, "params": params}, x, True, rngs={"dropout": jax.random.key(2)}, mutable=["batch_stats"]
+        )
+        return jnp.sum(out**2), state
+
+    (val, state), grads = jax.value_and_grad(fmp.autocast(loss), has_aux=True)(v["params"], x)
+    (val32, state32), grads32 = jax.value_and_grad(loss, has_aux=True)(v["params"], x)
+    np.testing.assert_allclose(val, val32, rtol=5e-2)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(state32), strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-2)
+    scale = max(float(jnp.abs(b).max()) for b in jax.tree.leaves(grads32))
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads32), strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=0.1, atol=0.02 * scale)

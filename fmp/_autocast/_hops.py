@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
 
@@ -77,7 +76,7 @@ def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     index, ops = invals[0], invals[1:]
     mark = None if ctx.records is None else len(ctx.records)
     new = [transform_closed(b, _like(b.in_avals, ops), ctx, scope) for b in branches]
-    outs = [tuple(np.dtype(a.dtype) if hasattr(a, "dtype") else None for a in b.out_avals) for b in new]
+    outs = [tuple(getattr(a, "dtype", None) for a in b.out_avals) for b in new]
     if len(set(outs)) > 1:  # branches disagree: pin the outputs that differ to the original dtype
         if ctx.records is not None and mark is not None:
             del ctx.records[mark:]

@@ -60,8 +60,14 @@ _MSG_UNHANDLED = (
 )
 
 
+def dtype_name(dtype: Any) -> str:
+    """The name of a dtype; works for extended dtypes (PRNG keys) that NumPy does not know."""
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else np.dtype(dtype).name
+
+
 def _is_castable(dtype: Any) -> bool:
-    return np.dtype(dtype).name in _dtypes.CASTABLE
+    return dtype_name(dtype) in _dtypes.CASTABLE
 
 
 def aval_of(x: Any) -> Any:
@@ -135,7 +141,7 @@ def _source(eqn: JaxprEqn) -> str:
 
 
 def _names(avals: Sequence[Any]) -> tuple[str, ...]:
-    return tuple(np.dtype(a.dtype).name for a in avals if hasattr(a, "dtype"))
+    return tuple(dtype_name(a.dtype) for a in avals if hasattr(a, "dtype"))
 
 
 def _float_names(avals: Sequence[Any]) -> tuple[str, ...]:
@@ -144,10 +150,10 @@ def _float_names(avals: Sequence[Any]) -> tuple[str, ...]:
 
 def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: str = "") -> Any:
     """Casts ``x`` to ``dtype`` when it differs, recording the cast (for ``eqn``) for explain."""
-    dtype = np.dtype(dtype)
     aval = aval_of(x)
-    if aval.dtype == dtype:
+    if aval.dtype == dtype or not _is_castable(aval.dtype):
         return x
+    dtype = np.dtype(dtype)
     if isinstance(x, int | float | np.ndarray | np.generic) and not isinstance(x, jax.Array):
         return np.asarray(x, dtype=dtype)
     ctx.record(
@@ -156,7 +162,7 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
         scope=scope,
         category="cast",
         in_before=(),
-        in_after=(np.dtype(aval.dtype).name,),
+        in_after=(dtype_name(aval.dtype),),
         out_before=(),
         out_after=(dtype.name,),
     )
@@ -209,7 +215,7 @@ def transform_closed(
     """
     key = None
     if ctx.records is None and not closed.consts:
-        dts = None if out_dtypes is None else tuple(None if d is None else np.dtype(d) for d in out_dtypes)
+        dts = None if out_dtypes is None else tuple(out_dtypes)
         key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts)
         hit = _CACHE.get(key)
         if hit is not None:
@@ -315,7 +321,7 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
     floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and _is_castable(a.dtype)]
     # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
     follow = {i for i in floats if cur[i].weak_type or (isinstance(eqn.invars[i], Literal) and not cur[i].shape)}
-    strong = [np.dtype(cur[i].dtype).name for i in floats if i not in follow]
+    strong = [dtype_name(cur[i].dtype) for i in floats if i not in follow]
     compute = policy.compute_dtype.name
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
@@ -326,7 +332,7 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
     else:
         changed = [i for i in floats if cur[i].dtype != orig[i].dtype]
         if changed:
-            orig_set = {np.dtype(orig[i].dtype).name for i in floats}
+            orig_set = {dtype_name(orig[i].dtype) for i in floats}
             if len(orig_set) == 1:
                 unify = _dtypes.widest(strong) if strong else orig_set.pop()
                 new = [cast(x, unify, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
@@ -343,7 +349,7 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
 def _preferred(eqn: JaxprEqn, target: str) -> Any:
     """dot/conv accumulation type: follows the compute dtype unless the program asked for another."""
     pet = np.dtype(eqn.params["preferred_element_type"])
-    ins = {np.dtype(v.aval.dtype) for v in eqn.invars if hasattr(v.aval, "dtype")}
+    ins = {v.aval.dtype for v in eqn.invars if hasattr(v.aval, "dtype")}
     if ins == {pet}:  # jnp's default: accumulate in the input dtype
         return np.dtype(target)
     return pet
@@ -404,7 +410,7 @@ def autocast_jaxpr(
 def _top_out_dtypes(closed: ClosedJaxpr, ctx: Context) -> list[Any]:
     """float32 outputs -> the policy's output dtype; other floating outputs keep their dtype."""
     return [
-        ctx.policy.output_dtype if np.dtype(a.dtype).name == "float32" else a.dtype if _is_castable(a.dtype) else None
+        ctx.policy.output_dtype if dtype_name(a.dtype) == "float32" else a.dtype if _is_castable(a.dtype) else None
         for a in closed.out_avals
     ]
 
