@@ -67,8 +67,8 @@ def test_values_and_grads_bitwise_equal_to_hand_cast():
 
 def test_close_to_float32_within_tolerance():
     p = _mlp_params()
-    v32, g32 = jax.value_and_grad(mlp)(p, X)
-    v16, g16 = jax.value_and_grad(fmp.autocast(mlp))(p, X)
+    v32, g32 = jax.jit(jax.value_and_grad(mlp))(p, X)
+    v16, g16 = jax.jit(jax.value_and_grad(fmp.autocast(mlp)))(p, X)
     # bfloat16 has an 8-bit mantissa: documented tolerance rtol 2e-2 on values, 5e-2 on grads
     np.testing.assert_allclose(v16, v32, rtol=2e-2)
     for k in p:
@@ -280,8 +280,8 @@ def test_scatter_reduce_window_sort_run_as_written():
     assert all(d[0] == "float32" for d in in_dtypes(cj, "scatter-add"))  # restored to the original dtype
     rep = fmp.explain(f)(x, w)
     assert {r.category for r in rep.records if r.op.startswith("scatter")} == {"opaque"}
-    np.testing.assert_allclose(fmp.autocast(f)(x, w), f(x, w), rtol=2e-2)
-    assert jax.grad(fmp.autocast(f))(x, w).dtype == jnp.float32
+    np.testing.assert_allclose(jax.jit(fmp.autocast(f))(x, w), f(x, w), rtol=2e-2)
+    assert jax.jit(jax.grad(fmp.autocast(f)))(x, w).dtype == jnp.float32
 
 
 def test_prng_keys_inside_and_as_arguments():

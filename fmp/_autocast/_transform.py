@@ -1,9 +1,11 @@
 """The equation loop: rewrite a jaxpr op by op under a policy and the rule table.
 
 The rewrite is an interpreter that re-binds every equation with (possibly
-cast) inputs while a fresh trace records the result, so the output is an
-ordinary :class:`~jax.extend.core.ClosedJaxpr` that composes with ``jit``,
-``grad`` and ``vmap`` like any other. Decisions read the *current* input
+cast) inputs. Run under a fresh trace it yields a new
+:class:`~jax.extend.core.ClosedJaxpr` (:func:`autocast_jaxpr`); run in the
+caller's trace (``fmp.autocast``) it emits the same equations there, so
+``jit``, ``grad`` and ``vmap`` compose. Bodies of higher-order primitives are
+rewritten into new jaxprs (``_hops.py``). Decisions read the *current* input
 dtypes (those the rewritten program produced so far), so a value that is
 already in the compute dtype is not cast again.
 """
@@ -83,6 +85,8 @@ class Context:
     rules: RuleSet
     overrides: tuple[tuple[str, Policy], ...] = ()
     records: list[OpRecord] | None = None
+    # one cast cache per jaxpr being evaluated (values of one trace): (id(x), dtype) -> (x, cast x)
+    memos: list[dict[tuple[int, str], tuple[Any, Any]]] = dataclasses.field(default_factory=list)
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
@@ -156,6 +160,11 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
     dtype = np.dtype(dtype)
     if isinstance(x, int | float | np.ndarray | np.generic) and not isinstance(x, jax.Array):
         return np.asarray(x, dtype=dtype)
+    memo = ctx.memos[-1] if ctx.memos else None
+    if memo is not None:
+        hit = memo.get((id(x), dtype.name))
+        if hit is not None and hit[0] is x:
+            return hit[1]
     ctx.record(
         op="convert_element_type",
         source=_source(eqn) if eqn is not None else "",
@@ -166,7 +175,10 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
         out_before=(),
         out_after=(dtype.name,),
     )
-    return jax.lax.convert_element_type(x, dtype)
+    out = jax.lax.convert_element_type(x, dtype)
+    if memo is not None:
+        memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
+    return out
 
 
 def bind(eqn: JaxprEqn, invals: Sequence[Any], params: Mapping[str, Any]) -> list[Any]:
@@ -187,15 +199,19 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Co
         env[v] = x
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        scope = _join(prefix, str(eqn.source_info.name_stack))
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            outs = rewrite_eqn(eqn, invals, ctx, scope)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    ctx.memos.append({})  # a value cast for two uses is cast once
+    try:
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            scope = _join(prefix, str(eqn.source_info.name_stack))
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                outs = rewrite_eqn(eqn, invals, ctx, scope)
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+    finally:
+        ctx.memos.pop()
 
 
 def transform_closed(
