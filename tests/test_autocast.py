@@ -296,3 +296,11 @@ def test_prng_keys_inside_and_as_arguments():
     assert in_dtypes(cj, "dot_general") == [("bfloat16", "bfloat16")]
     np.testing.assert_allclose(fmp.autocast(f)(*args), f(*args), rtol=1e-2)
     assert jax.grad(lambda *a: fmp.autocast(f)(*a).sum(), argnums=2)(*args).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "float32"])
+def test_output_structure_and_dtypes_match_the_function(policy):
+    def f(p, x):
+        return {"loss": mlp(p, x), "h": x @ p["w1"], "n": jnp.argmax(x, axis=-1), "half": x.astype(jnp.float16)}
+
+    assert jax.eval_shape(fmp.autocast(f, policy), _mlp_params(), X) == jax.eval_shape(f, _mlp_params(), X)
