@@ -3,6 +3,9 @@
 ``import fmp`` imports JAX only; ``fmp.optax`` and ``fmp.torch`` import optax and torch.
 """
 
+from fmp._autocast import autocast as autocast
+from fmp._autocast import autocast_jaxpr as autocast_jaxpr
+from fmp._autocast import explain as explain
 from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
 from fmp._core._rules import RuleSet as RuleSet
@@ -17,6 +20,9 @@ __all__ = [
     "DEFAULT_RULES",
     "Policy",
     "RuleSet",
+    "autocast",
+    "autocast_jaxpr",
     "cast_tree",
+    "explain",
     "get_policy",
 ]

@@ -21,7 +21,9 @@ class OpRecord:
       source: The user's source line (``"model.py:12 (forward)"``), or ``""``.
       scope: Name scope / module path the op came from, or ``""``.
       category: The rule that decided it (a ``Category`` value, or ``"cast"``
-        for a cast fmp inserted, ``"user_cast"`` for one the user wrote).
+        for a cast fmp inserted, ``"user_cast"`` for one the user wrote,
+        ``"nested"`` for an op an inner autocast region decided, ``"opaque"``
+        for one run in its original dtypes as written).
       in_before, in_after: Floating input dtype names before / after the rewrite.
       out_before, out_after: Output dtype names before / after the rewrite.
       flops: Estimated floating-point operations (0 when unknown or negligible).

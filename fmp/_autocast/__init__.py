@@ -1,0 +1,7 @@
+"""Autocast for JAX: a jaxpr-to-jaxpr mixed-precision transform."""
+
+from fmp._autocast._explain import explain as explain
+from fmp._autocast._transform import autocast_jaxpr as autocast_jaxpr
+from fmp._autocast._wrap import autocast as autocast
+
+__all__ = ["autocast", "autocast_jaxpr", "explain"]

@@ -1,0 +1,70 @@
+"""Every use of unstable JAX internals (``jax._src``) in fmp lives in this module.
+
+The autocast transform re-traces jaxprs with exact abstract values (shardings,
+weak types and varying manual axes included), which no public API offers, and
+re-binds ``shard_map``, whose primitive is not exported by ``jax.extend``.
+Supported JAX range: see ``pyproject.toml`` (``jax>=0.10,<0.12``). When JAX
+moves one of these names, this is the only file to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.extend.linear_util as lu
+from jax._src import api_util
+from jax._src.interpreters import partial_eval as pe
+from jax._src.shard_map import shard_map_p
+from jax.extend.core import ClosedJaxpr
+
+try:  # FlatTree: the container shard_map's body function returns since JAX 0.10
+    from jax._src.tree_util import FlatTree
+except ImportError:  # pragma: no cover - depends on the JAX version
+    FlatTree = None  # type: ignore[assignment,misc]
+
+__all__ = ["bind_shard_map", "rewrap_rule_thunk", "shard_map_p", "trace_to_closed_jaxpr"]
+
+
+def trace_to_closed_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str) -> ClosedJaxpr:
+    """Traces ``fun`` (flat args -> flat list of outputs) at exactly ``in_avals``."""
+    dbg = api_util.debug_info(name, fun, tuple(in_avals), {})
+    wrapped = lu.wrap_init(lambda *args: list(fun(*args)), debug_info=dbg)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def bind_shard_map(args: Sequence[Any], params: dict[str, Any], body: Callable[..., Sequence[Any]]) -> list[Any]:
+    """Binds ``shard_map_p`` with ``params`` but ``body`` (flat args -> flat outs) as its body.
+
+    shard_map traces ``body`` itself, inside its own mesh and axis context, so
+    collectives in the body see their axis names.
+    """
+    if FlatTree is None:  # pragma: no cover - depends on the JAX version
+        raise NotImplementedError("fmp.autocast: this JAX version's shard_map is not supported")
+    new_params = dict(params)
+    jaxpr = new_params.pop("jaxpr")
+    out_specs = new_params.pop("out_specs")
+
+    def fun(*xs: Any) -> Any:
+        return FlatTree.flatten(list(body(*xs))).with_aux(out_specs)
+
+    new_params["subfuns"] = (fun,)
+    new_params["debug_info"] = jaxpr.debug_info
+    return list(shard_map_p.bind(*args, **new_params))
+
+
+def rewrap_rule_thunk(thunk: Any, rewrite: Callable[[ClosedJaxpr], ClosedJaxpr]) -> Any:
+    """Wraps a custom-derivative rule thunk so the jaxpr it returns is rewritten.
+
+    ``custom_vjp_call``'s ``fwd_jaxpr_thunk`` returns ``(jaxpr, consts)`` and
+    ``custom_jvp_call``'s ``jvp_jaxpr_fun`` returns ``(jaxpr, consts, out_zeros)``;
+    JAX evaluates the jaxpr with the consts. The wrapper keeps that contract.
+    """
+
+    def wrapped(*zeros: Any) -> Any:
+        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+        new = rewrite(ClosedJaxpr(jaxpr, consts))
+        return (new.jaxpr, new.consts, *rest)
+
+    return lu.wrap_init(wrapped, debug_info=thunk.debug_info)

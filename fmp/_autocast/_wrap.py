@@ -1,0 +1,121 @@
+"""``fmp.autocast``: run a function under a mixed-precision policy."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr
+
+from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
+from fmp._core._rules import RuleSet
+from fmp._policy import Policy, get_policy
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[ClosedJaxpr, list[Any], Any]:
+    """Traces ``fn(*args, **kwargs)``: array leaves become jaxpr inputs, other leaves are static.
+
+    Returns the closed jaxpr, the array leaves, and the output tree structure.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [_is_dynamic(x) for x in leaves]
+    arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
+    out_tree: list[Any] = []
+
+    def flat_fn(*xs: Any) -> list[Any]:
+        it = iter(xs)
+        full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        out_leaves, tree = jax.tree_util.tree_flatten(fn(*a, **k))
+        out_tree.append(tree)
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fn)(*arrays)
+    return closed, arrays, out_tree[0]
+
+
+def autocast(
+    fn: Callable[..., Any] | None = None,
+    policy: str | Policy = "mixed_bfloat16",
+    *,
+    rules: RuleSet | None = None,
+    enabled: bool = True,
+    overrides: Mapping[str, Any] | None = None,
+) -> Any:
+    """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
+
+    ``fn`` is traced to a jaxpr and its rewrite (the program
+    :func:`fmp.autocast_jaxpr` returns) is evaluated in the caller's trace, so the result composes with ``jax.jit``,
+    ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
+    the policy's compute dtype, exponentials, logarithms, powers and sums in
+    float32, multi-input elementwise ops in their widest input (the rule table
+    ``fmp.DEFAULT_RULES``); float64, integer and boolean values are never cast.
+
+    Dtypes: array arguments are not cast (parameters stay float32 and are cast
+    where an op uses them, so the gradients of float32 parameters are float32).
+    Outputs that ``fn`` returns in float32 come back in the policy's
+    ``output_dtype`` (float32 for the presets); all other outputs keep the dtype
+    ``fn`` gives them. Non-array arguments (Python numbers, strings) are static.
+
+    Nesting: an inner ``autocast(g, ...)`` (another policy, or
+    ``enabled=False``) keeps its own choice inside an outer one.
+
+    Args:
+      fn: The function; omit it to use ``autocast(policy=...)`` as a decorator.
+      policy: A policy spec (``"mixed_bfloat16"``, ``"mixed_float16"``,
+        ``"float32"``, ``"p=f32,c=bf16"``) or an :class:`fmp.Policy`.
+      rules: A :class:`fmp.RuleSet`; ``None`` means ``fmp.DEFAULT_RULES``.
+      enabled: ``False`` runs ``fn`` exactly as written, also inside an outer autocast.
+      overrides: ``{scope_substring: policy}``: ops under a ``jax.named_scope``
+        (flax linen opens one per module) whose name contains the substring run
+        under that policy, e.g. ``{"LayerNorm": "float32"}``. Matching is
+        case-sensitive on the scopes opened inside ``fn``; the innermost wins.
+
+    Returns:
+      A function with ``fn``'s signature.
+
+    Raises:
+      TypeError: ``fn`` is not callable, or ``rules``/``overrides`` have the wrong type.
+      ValueError: an unknown policy spec; a banned op under a float16 policy.
+
+    Examples:
+      >>> f = fmp.autocast(lambda x, w: x @ w)
+      >>> f(jnp.ones((2, 3)), jnp.ones((3, 2))).dtype
+      dtype('float32')
+      >>> @fmp.autocast(policy="p=f32,c=bf16,o=bf16")
+      ... def g(x):
+      ...     return x @ x
+      >>> g(jnp.ones((2, 2))).dtype
+      dtype(bfloat16)
+    """
+    if fn is None:
+        return functools.partial(autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides)
+    if not callable(fn):
+        raise TypeError(
+            f"autocast(fn) expects a callable, got {type(fn).__name__}; "
+            "to set the policy of a decorator write @fmp.autocast(policy=...)"
+        )
+    if not isinstance(enabled, bool):
+        raise TypeError(f"autocast(enabled=...) expects a bool, got {type(enabled).__name__}")
+    pol = get_policy(policy)
+    ruleset = check_rules(rules)
+    over = check_overrides(overrides)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not enabled:
+            with jax.named_scope(REGION_SCOPE):
+                return fn(*args, **kwargs)
+        closed, arrays, out_tree = trace(fn, args, kwargs)
+        with jax.named_scope(REGION_SCOPE):
+            outs = run_top(closed, arrays, Context(pol, ruleset, over))
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return wrapped
