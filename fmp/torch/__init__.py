@@ -5,4 +5,10 @@ Importing this module imports torch; ``import fmp`` never does.
 
 import torch as _torch  # noqa: F401  (fail early with a clear ImportError if torch is missing)
 
-__all__: list[str] = []
+from fmp.torch._fx import autocast_fx as autocast_fx
+from fmp.torch._fx import autocast_graph as autocast_graph
+
+__all__: list[str] = [
+    "autocast_fx",
+    "autocast_graph",
+]
