@@ -8,6 +8,7 @@ post-dispatch graph has already decomposed away.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -92,7 +93,10 @@ def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
 
 def _fake_mode_of(graph: torch.fx.Graph) -> FakeTensorMode:
     vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
-    mode = detect_fake_mode(pytree.tree_leaves(vals))
+    try:
+        mode = detect_fake_mode(pytree.tree_leaves(vals))
+    except AssertionError:  # values from several modes (a real-mode trace): use a fresh one
+        mode = None
     return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
 
 
@@ -166,7 +170,9 @@ def autocast_graph(
     return rewrite(graph_module, device_type, dtype, rules)
 
 
-def trace(fn_or_module: Callable | torch.nn.Module, example_inputs: Any) -> tuple[torch.fx.GraphModule, list[str], Any]:
+def trace(
+    fn_or_module: Callable | torch.nn.Module, example_inputs: Any, device_type: str, dtype: torch.dtype
+) -> tuple[torch.fx.GraphModule, list[str], Any]:
     """Traces a pre-dispatch ATen graph whose first placeholders are a module's params and buffers.
 
     Returns the graph module (calling convention: flat ``*state, *input_leaves``),
@@ -199,10 +205,25 @@ def trace(fn_or_module: Callable | torch.nn.Module, example_inputs: Any) -> tupl
         out_spec.append(spec)
         return out_leaves
 
-    # tensors a function closes over (a module it calls) become constants of the graph
-    gm = make_fx(flat, pre_dispatch=True, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=True)(
-        *state.values(), *in_leaves
-    )
+    # Fake tensors first (no compute); ops without a fake kernel need a real trace. Ops that only run
+    # once autocast has cast their inputs (linalg on bfloat16) are traced under torch.autocast: the
+    # nodes are the same raw pre-dispatch ops, only their recorded values already show autocast's dtypes.
+    # Tensors a function closes over (a module it calls) become constants of the graph.
+    attempts = [(mode, ac) for ac in (False, True) for mode in ("fake", "real")]
+    if device_type != "cpu" and not torch.cuda.is_available():
+        attempts = attempts[:2]
+    for i, (mode, under_autocast) in enumerate(attempts):
+        out_spec.clear()
+        ctx = torch.autocast(device_type, dtype=dtype) if under_autocast else contextlib.nullcontext()
+        try:
+            with ctx:
+                gm = make_fx(
+                    flat, pre_dispatch=True, tracing_mode=mode, _allow_non_fake_inputs=True, record_stack_traces=True
+                )(*state.values(), *in_leaves)
+            break
+        except (RuntimeError, NotImplementedError, Warning):  # Warning: when warnings are errors
+            if i == len(attempts) - 1:
+                raise
     target = fn_or_module.forward if module is not None else fn_or_module
     codegen = torch.fx.graph._PyTreeCodeGen(
         torch.fx.graph._PyTreeInfo(_arg_names(target, len(example_inputs)), in_spec, out_spec[0])
@@ -298,6 +319,6 @@ def autocast_fx(
       True
     """
     device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
-    gm, names, codegen = trace(fn_or_module, example_inputs)
+    gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     return rewrite(bind_state(gm, module, names, codegen), device_type, dtype, rules)

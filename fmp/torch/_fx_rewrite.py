@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -120,9 +120,21 @@ class Rewriter:
 
     # ---- values -------------------------------------------------------------------------------
     def _fake(self, v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and not isinstance(v, torch._subclasses.fake_tensor.FakeTensor):
-            return self.fake_mode.from_tensor(v)
-        return v
+        """``v`` (a value or a structure) with every tensor a fake tensor of ``self.fake_mode``."""
+
+        def leaf(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if isinstance(t, FakeTensor):
+                if t.fake_mode is self.fake_mode:
+                    return t
+                with self.fake_mode:  # recorded by another mode (real-mode traces make one per node)
+                    return torch.empty_strided(
+                        t.shape, t.stride(), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad
+                    )
+            return self.fake_mode.from_tensor(t)
+
+        return pytree.tree_map(leaf, v)
 
     def _val(self, a: Any) -> Any:
         """The fake value of a new-graph argument (a node, a constant or a nested structure)."""
@@ -133,12 +145,13 @@ class Rewriter:
             return target(*self._val(args), **self._val(kwargs))
 
     def _emit(self, target: Callable, args: tuple, kwargs: dict, like: torch.fx.Node | None, val: Any = _RUN):
+        value = self._run_fake(target, args, kwargs) if val is _RUN else val
         node = self.graph.call_function(target, args, kwargs)
         if like is not None:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
                 if key in like.meta:
                     node.meta[key] = like.meta[key]
-        self.vals[node] = self._run_fake(target, args, kwargs) if val is _RUN else val
+        self.vals[node] = value
         if self.vals[node] is not None:
             node.meta["val"] = self.vals[node]
         return node
@@ -172,7 +185,7 @@ class Rewriter:
                 new.meta.update(node.meta)
                 obj = self.attrs.get(node.target)
                 if "val" in node.meta:
-                    self.vals[new] = node.meta["val"]
+                    self.vals[new] = self._fake(node.meta["val"])
                 elif isinstance(obj, torch.Tensor):
                     self.vals[new] = self._fake(obj)
                 env[node] = new
@@ -222,7 +235,7 @@ class Rewriter:
         same = len(old_vals) == len(new_inputs) and all(
             _same_meta(o, self.vals.get(n)) for o, n in zip(old_vals, new_inputs, strict=True)
         )
-        val = node.meta.get("val") if same else _RUN
+        val = self._fake(node.meta.get("val")) if same else _RUN
         new = self._emit(node.target, args, kwargs, node, val=val)
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         return new
@@ -297,7 +310,11 @@ class Rewriter:
 
             args = torch.fx.node.map_arg(args, cast)
             kwargs = torch.fx.node.map_arg(kwargs, cast)
-        new = self._emit(target_op, args, kwargs, node)
+        try:
+            new = self._emit(target_op, args, kwargs, node)
+        except (RuntimeError, NotImplementedError):
+            # no fake kernel: the op ran in `target`, so its floating outputs are `target`
+            new = self._emit(target_op, args, kwargs, node, val=self._retype(node.meta.get("val"), target))
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         self._invalidate(target_op, args, kwargs)
         if self.events is not None:
@@ -305,6 +322,17 @@ class Rewriter:
             ins = _float_names(self._val((args, kwargs)))
             self.events.append(Event(key, rule, new, node, in_before, ins, _float_names(node.meta.get("val"))))
         return new
+
+    def _retype(self, val: Any, dtype: torch.dtype | None) -> Any:
+        def leaf(v: Any) -> Any:
+            if dtype is not None and _is_tensor(v) and v.dtype.is_floating_point:
+                with self.fake_mode:
+                    return self._fake(v).to(dtype)
+            return v
+
+        if val is None:
+            raise RuntimeError("no value recorded for the node")
+        return pytree.tree_map(leaf, val)
 
     def _invalidate(self, op: Any, args: tuple, kwargs: dict) -> None:
         """Drops memoized casts of a tensor an in-place op writes to (the cast would be stale)."""
