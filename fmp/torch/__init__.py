@@ -7,8 +7,12 @@ import torch as _torch  # noqa: F401  (fail early with a clear ImportError if to
 
 from fmp.torch._fx import autocast_fx as autocast_fx
 from fmp.torch._fx import autocast_graph as autocast_graph
+from fmp.torch._fx_explain import explain_fx as explain_fx
+from fmp.torch._fx_explain import explain_graph as explain_graph
 
 __all__: list[str] = [
     "autocast_fx",
     "autocast_graph",
+    "explain_fx",
+    "explain_graph",
 ]

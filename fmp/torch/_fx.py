@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
 from fmp._policy import Policy, get_policy
-from fmp.torch._fx_rewrite import Event, Rewriter
+from fmp.torch._fx_rewrite import Event, Rewriter, ambient_autocast
 
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -210,11 +210,9 @@ def trace(
     # nodes are the same raw pre-dispatch ops, only their recorded values already show autocast's dtypes.
     # Tensors a function closes over (a module it calls) become constants of the graph.
     attempts = [(mode, ac) for ac in (False, True) for mode in ("fake", "real")]
-    if device_type != "cpu" and not torch.cuda.is_available():
-        attempts = attempts[:2]
     for i, (mode, under_autocast) in enumerate(attempts):
         out_spec.clear()
-        ctx = torch.autocast(device_type, dtype=dtype) if under_autocast else contextlib.nullcontext()
+        ctx = ambient_autocast({device_type: (True, dtype)}) if under_autocast else contextlib.nullcontext()
         try:
             with ctx:
                 gm = make_fx(

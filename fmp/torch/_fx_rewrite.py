@@ -14,9 +14,10 @@ submodules switch the per-device state for the ops inside them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +49,29 @@ _MSG_NO_META = (
 
 # AutocastCUDA's fp32_append_dtype ops call their dtype overload instead of casting.
 _APPEND_DTYPE_OVERLOAD = {"Scalar": "ScalarOpt_dtype", "ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+
+
+@contextlib.contextmanager
+def ambient_autocast(state: dict[str, tuple[bool, torch.dtype]]) -> Iterator[None]:
+    """Turns torch's own autocast state on while tracing, so traced values carry autocast's dtypes.
+
+    Uses the low-level setters because ``torch.autocast("cuda")`` refuses to start
+    on a CPU-only build, while fake CUDA tensors dispatch to the AutocastCUDA
+    kernels there just fine. The cast cache stays off (it keys on tensor addresses).
+    """
+    saved = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in state}
+    cache = torch.is_autocast_cache_enabled()
+    try:
+        torch.set_autocast_cache_enabled(False)
+        for device, (enabled, dtype) in state.items():
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        yield
+    finally:
+        for device, (enabled, dtype) in saved.items():
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(cache)
 
 
 def op_key(op: torch._ops.OpOverload) -> str:
@@ -260,7 +284,9 @@ class Rewriter:
         if self.events is not None:
             ins = _float_names(self._val((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
-            self.events.append(Event(key, cat, new, node, ins, ins, _float_names(node.meta.get("val"))))
+            self.events.append(
+                Event(key, cat, new, node, _inputs_before(node), ins, _float_names(node.meta.get("val")))
+            )
         return new
 
     def _eligible(self, v: Any, device: str) -> bool:
@@ -270,7 +296,6 @@ class Rewriter:
         vals = self._val((args, kwargs))
         eligible = [v.dtype for v in pytree.tree_leaves(vals) if self._eligible(v, device)]
         variant = self.rules.torch_cuda_variants.get(key) if device == "cuda" else None
-        in_before = _float_names(vals)
         target_op = op
         if variant is not None and category is Category.FLOAT32:
             # torch passes dtype=float32 (or calls the dtype overload) only if the first arg is eligible
@@ -320,7 +345,9 @@ class Rewriter:
         if self.events is not None:
             rule = category.value if variant is None else f"{category.value} ({variant})"
             ins = _float_names(self._val((args, kwargs)))
-            self.events.append(Event(key, rule, new, node, in_before, ins, _float_names(node.meta.get("val"))))
+            self.events.append(
+                Event(key, rule, new, node, _inputs_before(node), ins, _float_names(node.meta.get("val")))
+            )
         return new
 
     def _retype(self, val: Any, dtype: torch.dtype | None) -> Any:
@@ -362,7 +389,8 @@ class Rewriter:
             return op(*a, **k)
 
         try:
-            sub = make_fx(call, pre_dispatch=True, decomposition_table={op: op.decompose})(*flat_vals)
+            with ambient_autocast(self.state):  # values as eager autocast computes them
+                sub = make_fx(call, pre_dispatch=True, decomposition_table={op: op.decompose})(*flat_vals)
         except Exception:  # noqa: BLE001  (a decomposition fake tensors cannot trace stays one node)
             self._probe_cache[cache_key] = False
             return None
@@ -422,6 +450,10 @@ class Rewriter:
         while f"{base}_fmp{i}" in self.attrs:
             i += 1
         return f"{base}_fmp{i}"
+
+
+def _inputs_before(node: torch.fx.Node) -> tuple[str, ...]:
+    return _float_names(list(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))))
 
 
 def _same_meta(old: Any, new: Any) -> bool:
