@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
 from fmp._policy import Policy, get_policy
-from fmp.torch._fx_rewrite import Event, Rewriter, ambient_autocast
+from fmp.torch._fx_rewrite import _MSG_NO_META, Event, Rewriter, ambient_autocast
 
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -83,7 +83,7 @@ def resolve_policy(
 def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr":
+        if node.op in ("get_attr", "call_module"):
             obj: Any = gm
             for part in node.target.split("."):
                 obj = getattr(obj, part)
@@ -108,6 +108,9 @@ def rewrite(
     events: list[Event] | None = None,
 ) -> torch.fx.GraphModule:
     """The transform behind :func:`autocast_graph` (policy already resolved)."""
+    for node in graph_module.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and "val" not in node.meta:
+            raise ValueError(_MSG_NO_META.format(node=node.name))
     attrs = _attrs(graph_module)
     rw = Rewriter(rules, {device_type: (True, dtype)}, _fake_mode_of(graph_module.graph), attrs, events)
     out = rw.run(graph_module.graph, {})
@@ -117,7 +120,7 @@ def rewrite(
         if node.op == "get_attr" and not node.users and isinstance(rw.attrs.get(node.target), torch.nn.Module):
             rw.graph.erase_node(node)
     rw.graph.lint()
-    used = {n.target for n in rw.graph.nodes if n.op == "get_attr"}
+    used = {n.target for n in rw.graph.nodes if n.op in ("get_attr", "call_module")}
     new = torch.fx.GraphModule({k: v for k, v in rw.attrs.items() if k in used}, rw.graph)
     new.meta.update(getattr(graph_module, "meta", {}))
     return new

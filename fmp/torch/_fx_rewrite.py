@@ -30,6 +30,7 @@ from fmp._core._rules import Category, RuleSet, decide
 
 _CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 _TO_COPY = torch.ops.aten._to_copy.default
+_ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
 _MAX_DEPTH = 8
 _RUN = object()  # _emit: compute the node's value with fake tensors
 
@@ -41,6 +42,10 @@ _MSG_HOP = (
     "autocast_graph cannot rewrite inside the higher-order op {op!r} (node {node!r}); only "
     "wrap_with_autocast and wrap_with_set_grad_enabled are supported. Trace the model without it, or "
     "apply the policy inside its branches yourself."
+)
+_MSG_OPAQUE = (
+    "autocast_graph cannot look inside {op} node {node!r}, and the policy changed the dtype of its inputs. "
+    "Trace the module to ATen ops with make_fx(..., pre_dispatch=True) or torch.export first."
 )
 _MSG_NO_META = (
     "autocast_graph needs node.meta['val'] on every tensor node (node {node!r} has none): pass a graph "
@@ -168,9 +173,19 @@ class Rewriter:
         with self.fake_mode:
             return target(*self._val(args), **self._val(kwargs))
 
-    def _emit(self, target: Callable, args: tuple, kwargs: dict, like: torch.fx.Node | None, val: Any = _RUN):
+    def _emit(
+        self,
+        target: Callable,
+        args: tuple,
+        kwargs: dict,
+        like: torch.fx.Node | None,
+        val: Any = _RUN,
+        name: str | None = None,
+    ):
         value = self._run_fake(target, args, kwargs) if val is _RUN else val
-        node = self.graph.call_function(target, args, kwargs)
+        if name is None and like is not None:
+            name = like.name
+        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
         if like is not None:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
                 if key in like.meta:
@@ -183,7 +198,8 @@ class Rewriter:
     def _cast(self, src: torch.fx.Node, dtype: torch.dtype, like: torch.fx.Node | None) -> torch.fx.Node:
         key = (src, dtype)
         if key not in self._cast_memo:
-            node = self._emit(_TO_COPY, (src,), {"dtype": dtype}, like)
+            short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "cast")
+            node = self._emit(_TO_COPY, (src,), {"dtype": dtype}, like, name=f"{src.name}_{short}")
             self._cast_memo[key] = node
             if self.events is not None:
                 before = _float_names(self.vals[src])
@@ -192,10 +208,12 @@ class Rewriter:
         return self._cast_memo[key]
 
     # ---- the graph walk -----------------------------------------------------------------------
-    def run(self, graph: torch.fx.Graph, env: dict[torch.fx.Node, Any], depth: int = 0) -> Any:
+    def run(self, graph: torch.fx.Graph, env: dict[torch.fx.Node, Any], depth: int = 0, owner: Any = None) -> Any:
         """Emits ``graph`` into ``self.graph``; placeholders already in ``env`` are inlined.
 
-        Returns the new-graph value of the graph's output.
+        ``owner`` is the module whose attributes the graph's get_attr nodes name,
+        when the graph is a submodule being inlined. Returns the new-graph value of
+        the graph's output.
         """
         for node in graph.nodes:
             if node.op == "placeholder":
@@ -205,9 +223,16 @@ class Rewriter:
                     self._set_val(new, node)
                     env[node] = new
             elif node.op == "get_attr":
-                new = self.graph.get_attr(node.target)
+                target = node.target
+                if owner is not None:  # an inlined submodule's attribute gets a root-level name
+                    obj = owner
+                    for part in target.split("."):
+                        obj = getattr(obj, part)
+                    target = self._fresh_attr(target.replace(".", "_"))
+                    self.attrs[target] = obj
+                new = self.graph.get_attr(target)
                 new.meta.update(node.meta)
-                obj = self.attrs.get(node.target)
+                obj = self.attrs.get(target)
                 if "val" in node.meta:
                     self.vals[new] = self._fake(node.meta["val"])
                 elif isinstance(obj, torch.Tensor):
@@ -217,12 +242,18 @@ class Rewriter:
                 return torch.fx.node.map_arg(node.args[0], lambda n: env[n])
             elif node.op == "call_function":
                 env[node] = self._call(node, env, depth)
-            else:
-                raise NotImplementedError(
-                    f"autocast_graph handles ATen call_function graphs; node {node.name!r} is a {node.op} "
-                    "(trace with make_fx(..., pre_dispatch=True) or torch.export first)."
-                )
+            else:  # call_module / call_method (export's _guards_fn): kept as opaque calls
+                env[node] = self._opaque(node, env)
         return None
+
+    def _opaque(self, node: torch.fx.Node, env: dict) -> torch.fx.Node:
+        changed = any(not _same_meta(a.meta.get("val"), self.vals.get(env[a])) for a in node.all_input_nodes)
+        if changed:
+            raise NotImplementedError(_MSG_OPAQUE.format(node=node.name, op=node.op))
+        new = self.graph.node_copy(node, lambda n: env[n])
+        if "val" in node.meta:
+            self.vals[new] = self._fake(node.meta["val"])
+        return new
 
     def _set_val(self, new: torch.fx.Node, old: torch.fx.Node) -> None:
         if "val" in old.meta:
@@ -247,6 +278,10 @@ class Rewriter:
             return None
         if isinstance(target, torch._ops.HigherOrderOperator):
             return self._hop(node, args, kwargs, depth)
+        if target is _ASSERT_META and "dtype" in kwargs and isinstance(args[0], torch.fx.Node):
+            # export's dtype assertions describe the program before the rewrite
+            kwargs = {**kwargs, "dtype": self.vals[args[0]].dtype}
+            return self._emit(target, args, kwargs, node, val=None)
         if isinstance(target, torch._ops.OpOverload):
             return self._op(node, target, args, kwargs, depth)
         return self._copy(node, args, kwargs)
@@ -417,19 +452,19 @@ class Rewriter:
     def _hop(self, node: torch.fx.Node, args: tuple, kwargs: dict, depth: int) -> Any:
         name = node.target.name()
         if name == "wrap_with_autocast":
-            device, dtype, enabled, _cache, sub_node, *operands = node.args
-            sub = self.attrs[sub_node.target]
+            device, dtype, enabled = node.args[:3]
+            sub = self.attrs[args[4].target]
             saved = dict(self.state)
             self.state[device] = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
             placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
             env = dict(zip(placeholders, args[5:], strict=True))
-            out = self.run(sub.graph, env, depth)
+            out = self.run(sub.graph, env, depth, owner=sub)
             self.state = saved
             self.changed = True
             return tuple(out) if isinstance(out, list) else out
         if name == "wrap_with_set_grad_enabled":
-            enabled, sub_node, *operands = node.args
-            sub = self.attrs[sub_node.target]
+            enabled = node.args[0]
+            sub = self.attrs[args[1].target]
             inner = Rewriter(self.rules, self.state, self.fake_mode, dict(self.attrs), self.events)
             inner._probe_cache = self._probe_cache
             env = {}
@@ -437,9 +472,9 @@ class Rewriter:
                 env[p] = inner.graph.placeholder(p.target)
                 env[p].meta.update(p.meta)
                 inner.vals[env[p]] = self.vals.get(a) if isinstance(a, torch.fx.Node) else a
-            inner.graph.output(inner.run(sub.graph, env, depth))
+            inner.graph.output(inner.run(sub.graph, env, depth, owner=sub))
             self.changed |= inner.changed
-            name = self._fresh_attr(sub_node.target)
+            name = self._fresh_attr(args[1].target)
             self.attrs[name] = torch.fx.GraphModule(inner.attrs, inner.graph)
             getter = self.graph.get_attr(name)
             return self._emit(node.target, (enabled, getter, *args[2:]), kwargs, node)
