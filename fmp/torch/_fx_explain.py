@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,12 +11,14 @@ from typing import Any
 import torch
 import torch.fx
 
+import fmp
 from fmp._core._report import OpRecord, Report
 from fmp._core._rules import RuleSet
 from fmp.torch import _fx
 from fmp.torch._fx_rewrite import Event, _float_names
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
 _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot"}
 
@@ -25,7 +28,7 @@ def _source(node: torch.fx.Node | None) -> str:
     trace = node.meta.get("stack_trace", "") if node is not None else ""
     frames = _FRAME.findall(trace or "")
     for path, line, fn in reversed(frames):
-        if "/torch/" not in path and "/fmp/" not in path:
+        if not path.startswith(_LIBRARY_DIRS):
             return f"{path.rsplit('/', 1)[-1]}:{line} ({fn})"
     return ""
 

@@ -341,11 +341,11 @@ class Rewriter:
                         kwargs = {**kwargs, "dtype": torch.float32}
                         self.changed = True
                 else:
-                    target_op = getattr(op.overloadpacket, _APPEND_DTYPE_OVERLOAD[op._overloadname])
+                    target_op, args = _dtype_overload(op, args)
                     kwargs = {**kwargs, "dtype": torch.float32}
                     self.changed = True
             elif variant == "append_dtype" and _is_tensor(first):
-                target_op = getattr(op.overloadpacket, _APPEND_DTYPE_OVERLOAD[op._overloadname])
+                target_op, args = _dtype_overload(op, args)
                 kwargs = {**kwargs, "dtype": first.dtype}
                 self.changed = True
             target = None
@@ -373,6 +373,8 @@ class Rewriter:
         try:
             new = self._emit(target_op, args, kwargs, node)
         except (RuntimeError, NotImplementedError):
+            if target is None:
+                raise
             # no fake kernel: the op ran in `target`, so its floating outputs are `target`
             new = self._emit(target_op, args, kwargs, node, val=self._retype(node.meta.get("val"), target))
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
@@ -485,6 +487,14 @@ class Rewriter:
         while f"{base}_fmp{i}" in self.attrs:
             i += 1
         return f"{base}_fmp{i}"
+
+
+def _dtype_overload(op: torch._ops.OpOverload, args: tuple) -> tuple[torch._ops.OpOverload, tuple]:
+    """The ``dtype`` overload AutocastCUDA's fp32_append_dtype calls, with defaulted args spelled out."""
+    target = getattr(op.overloadpacket, _APPEND_DTYPE_OVERLOAD[op._overloadname])
+    positional = [a for a in op._schema.arguments if not a.kwarg_only]
+    full = list(args) + [a.default_value for a in positional[len(args) :]]
+    return target, tuple(full)
 
 
 def _inputs_before(node: torch.fx.Node) -> tuple[str, ...]:
