@@ -278,6 +278,8 @@ class Rewriter:
             return None
         if isinstance(target, torch._ops.HigherOrderOperator):
             return self._hop(node, args, kwargs, depth)
+        if target is torch._C._set_grad_enabled:
+            self._cast_memo.clear()  # a cast made without grad must not feed a use that needs one
         if target is _ASSERT_META and "dtype" in kwargs and isinstance(args[0], torch.fx.Node):
             # export's dtype assertions describe the program before the rewrite
             kwargs = {**kwargs, "dtype": self.vals[args[0]].dtype}

@@ -479,3 +479,34 @@ def test_model_bitwise_on_cuda(name, dtype):
     _assert_same(out, out_ref)
     for key in grads:
         _assert_same(grads[key], grads_ref[key])
+
+
+def test_cast_made_under_no_grad_is_not_reused_with_grad():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x):
+            with torch.no_grad():
+                stat = (x @ self.w).abs().mean()
+            return (x @ self.w).sum() * stat
+
+    model, x = M(), torch.randn(2, 3)
+    gm = fmp.torch.autocast_fx(model, (x,))
+    gm(x).float().backward()
+    grad = model.w.grad.clone()
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.float().backward()
+    assert torch.equal(grad, model.w.grad)
+
+
+def test_rewrite_is_idempotent():
+    torch.manual_seed(0)
+    model, inputs = _mlp()
+    gm = fmp.torch.autocast_fx(model, inputs)
+    again = fmp.torch.autocast_graph(gm, "cpu")
+    assert len(_casts(again)) == len(_casts(gm))
+    _assert_same(again(*inputs), gm(*inputs))
