@@ -35,8 +35,9 @@ _MAX_DEPTH = 8
 _RUN = object()  # _emit: compute the node's value with fake tensors
 
 _MSG_PRIORITIZE = (
-    "Unexpected floating ScalarType in at::autocast::prioritize: {op} mixes {dtypes} under a {compute} "
-    "policy (torch raises the same error). Cast the inputs to one low-precision dtype or to float32 first."
+    "Unexpected floating ScalarType in at::autocast::prioritize: {op} gets {dtypes} (in argument order) "
+    "under a {compute} policy; torch raises the same error when another low-precision dtype comes before "
+    "any float32 argument. Cast the inputs to one low-precision dtype or to float32 first."
 )
 _MSG_HOP = (
     "autocast_graph cannot rewrite inside the higher-order op {op!r} (node {node!r}); only "
@@ -352,11 +353,8 @@ class Rewriter:
                 self.changed = True
             target = None
         else:
-            if category is Category.PROMOTE and torch.float32 not in eligible:
-                odd = sorted({_dtype_name(d) for d in eligible if d != compute})
-                if odd:
-                    names = sorted({_dtype_name(d) for d in eligible})
-                    raise RuntimeError(_MSG_PRIORITIZE.format(op=key, dtypes=names, compute=_dtype_name(compute)))
+            if category is Category.PROMOTE:
+                _prioritize(key, compute, eligible)
             name = decide(category, _dtype_name(compute), [_dtype_name(d) for d in eligible])
             target = getattr(torch, name) if name is not None else None
         if target is not None:
@@ -489,6 +487,18 @@ class Rewriter:
         while f"{base}_fmp{i}" in self.attrs:
             i += 1
         return f"{base}_fmp{i}"
+
+
+def _prioritize(key: str, compute: torch.dtype, eligible: list[torch.dtype]) -> None:
+    """Raises where torch's ``at::autocast::prioritize`` does: it walks the args in order from the
+    autocast dtype, and a second low-precision dtype met before any float32 is an error."""
+    current = compute
+    for dtype in eligible:
+        if current == torch.float32 or dtype == torch.float32:
+            current = torch.float32
+        elif dtype != compute:
+            names = [_dtype_name(d) for d in eligible]
+            raise RuntimeError(_MSG_PRIORITIZE.format(op=key, dtypes=names, compute=_dtype_name(compute)))
 
 
 def _dtype_overload(op: torch._ops.OpOverload, args: tuple) -> tuple[torch._ops.OpOverload, tuple]:

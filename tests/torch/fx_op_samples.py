@@ -219,3 +219,124 @@ SAMPLES = {
     "aten::triplet_margin_loss": lambda: ((r(4, 3), r(4, 3), r(4, 3)), {}),
     "aten::view_as_complex": lambda: ((r(4, 3, 2),), {}),
 }
+
+
+def _unary(shape=(4, 3), positive=False, unit=False):
+    def make():
+        x = r(*shape)
+        if positive:
+            x = x.abs() + 0.5
+        if unit:
+            x = x.tanh() * 0.9
+        return (x,), {}
+
+    return make
+
+
+def _cell(kind: str):
+    n_in, hid, batch = 4, 3, 2
+    gates = {"lstm": 4, "gru": 3, "rnn": 1}[kind]
+    hx = (r(batch, hid), r(batch, hid)) if kind == "lstm" else r(batch, hid)
+    return (r(batch, n_in), hx, r(gates * hid, n_in), r(gates * hid, hid), r(gates * hid), r(gates * hid)), {}
+
+
+def _thnn(kind: str):
+    hid, batch = 3, 2
+    gates = 4 if kind == "lstm" else 3
+    if kind == "lstm":
+        return (r(batch, gates * hid), r(batch, gates * hid), r(batch, hid), r(gates * hid), r(gates * hid)), {}
+    return (r(batch, gates * hid), r(batch, gates * hid), r(batch, hid), r(gates * hid), r(gates * hid)), {}
+
+
+# Ops only on torch 2.13's CUDA autocast list (the CUDA test also reuses SAMPLES for shared ops).
+CUDA_SAMPLES = {
+    "aten::_convolution": lambda: (
+        (r(1, 2, 6, 6), r(3, 2, 3, 3), r(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, False, False, False, False),
+        {},
+    ),
+    "aten::_scaled_dot_product_flash_attention": lambda: ((r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 8)), {}),
+    "aten::_thnn_fused_gru_cell": lambda: _thnn("gru"),
+    "aten::_thnn_fused_lstm_cell": lambda: _thnn("lstm"),
+    "aten::_upsample_bicubic2d_aa": lambda: ((r(1, 2, 4, 4), [8, 8], False), {}),
+    "aten::_upsample_bilinear2d_aa": lambda: ((r(1, 2, 4, 4), [8, 8], False), {}),
+    "aten::_upsample_nearest_exact1d": lambda: ((r(1, 2, 4), [8]), {}),
+    "aten::_upsample_nearest_exact2d": lambda: ((r(1, 2, 4, 4), [8, 8]), {}),
+    "aten::_upsample_nearest_exact3d": lambda: ((r(1, 2, 4, 4, 4), [8, 8, 8]), {}),
+    "aten::acos": _unary(unit=True),
+    "aten::addcdiv": lambda: ((r(4), r(4).half(), r(4).abs().half() + 1), {}),
+    "aten::addcmul": lambda: ((r(4), r(4).half(), r(4).half()), {}),
+    "aten::addmv": lambda: ((r(3), r(3, 4), r(4)), {}),
+    "aten::addr": lambda: ((r(3, 4), r(3), r(4)), {}),
+    "aten::asin": _unary(unit=True),
+    "aten::atan2": lambda: ((r(4).half(), r(4)), {}),
+    "aten::bilinear": lambda: ((r(2, 3), r(2, 4), r(5, 3, 4), r(5)), {}),
+    "aten::chain_matmul": lambda: (([r(2, 3), r(3, 4), r(4, 2)],), {}),
+    "aten::convolution": lambda: ((r(1, 2, 6, 6), r(3, 2, 3, 3), r(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
+    "aten::cosh": _unary(),
+    "aten::cosine_similarity": lambda: ((r(4, 3), r(4, 3)), {}),
+    "aten::cross": lambda: ((r(4, 3).half(), r(4, 3)), {"dim": 1}),
+    "aten::cudnn_convolution": lambda: (
+        (r(1, 2, 6, 6), r(3, 2, 3, 3), [1, 1], [1, 1], [1, 1], 1, False, False, True),
+        {},
+    ),
+    "aten::cudnn_convolution_transpose": lambda: (
+        (r(1, 2, 5, 5), r(2, 3, 3, 3), [0, 0], [0, 0], [1, 1], [1, 1], 1, False, False, True),
+        {},
+    ),
+    "aten::cumprod": lambda: ((r(4, 3).half(), 1), {}),
+    "aten::cumsum": lambda: ((r(4, 3).half(), 1), {}),
+    "aten::dist": lambda: ((r(4, 3), r(4, 3)), {}),
+    "aten::dot": lambda: ((r(4).half(), r(4)), {}),
+    "aten::einsum": lambda: (("ij,jk->ik", [r(3, 4), r(4, 5)]), {}),
+    "aten::erfinv": _unary(unit=True),
+    "aten::exp": _unary(),
+    "aten::expm1": _unary(),
+    "aten::frobenius_norm.dim": lambda: ((r(4, 3), [1]), {}),
+    "aten::group_norm": lambda: ((r(2, 4, 3), 2, r(4), r(4)), {}),
+    "aten::gru_cell": lambda: _cell("gru"),
+    "aten::index_put": lambda: ((r(5, 3), [torch.tensor([0, 2])], r(2, 3).half()), {}),
+    "aten::layer_norm": lambda: ((r(4, 3), [3], r(3), r(3)), {}),
+    "aten::linalg_matrix_norm": lambda: ((r(4, 3).half(), 1), {}),
+    "aten::linalg_matrix_norm.str_ord": lambda: ((r(4, 3).half(),), {"ord": "fro"}),
+    "aten::linalg_multi_dot": lambda: (([r(2, 3), r(3, 4), r(4, 2)],), {}),
+    "aten::linalg_vector_norm": lambda: ((r(4, 3).half(),), {}),
+    "aten::log": _unary(positive=True),
+    "aten::log10": _unary(positive=True),
+    "aten::log1p": _unary(positive=True),
+    "aten::log2": _unary(positive=True),
+    "aten::log_softmax.int": lambda: ((r(4, 3).half(), 1), {}),
+    "aten::logsumexp": lambda: ((r(4, 3), [1]), {}),
+    "aten::lstm_cell": lambda: _cell("lstm"),
+    "aten::mv": lambda: ((r(3, 4), r(4)), {}),
+    "aten::native_layer_norm": lambda: ((r(4, 3), [3], r(3), r(3), 1e-5), {}),
+    "aten::norm.Scalar": lambda: ((r(4, 3).half(),), {}),
+    "aten::norm.ScalarOpt_dim": lambda: ((r(4, 3).half(), 2, [1]), {}),
+    "aten::nuclear_norm": lambda: ((r(4, 3),), {}),
+    "aten::nuclear_norm.dim": lambda: ((r(4, 3), [0, 1]), {}),
+    "aten::pdist": lambda: ((r(4, 3),), {}),
+    "aten::pow.Scalar": lambda: ((2.0, r(4, 3)), {}),
+    "aten::pow.Tensor_Scalar": lambda: ((r(4, 3), 2), {}),
+    "aten::pow.Tensor_Tensor": lambda: ((r(4, 3).abs(), r(4, 3)), {}),
+    "aten::reciprocal": _unary(positive=True),
+    "aten::renorm": lambda: ((r(4, 3), 2, 0, 1.0), {}),
+    "aten::rms_norm": lambda: ((r(4, 3), [3], r(3)), {}),
+    "aten::rnn_relu_cell": lambda: _cell("rnn"),
+    "aten::rnn_tanh_cell": lambda: _cell("rnn"),
+    "aten::rsqrt": _unary(positive=True),
+    "aten::scatter_add": lambda: ((r(3, 4), 1, torch.tensor([[0, 1], [2, 3], [1, 0]]), r(3, 2).half()), {}),
+    "aten::sinh": _unary(),
+    "aten::softmax.int": lambda: ((r(4, 3).half(), 1), {}),
+    "aten::softplus": _unary(),
+    "aten::sum": lambda: ((r(4, 3).half(),), {}),
+    "aten::sum.dim_IntList": lambda: ((r(4, 3).half(), [1]), {}),
+    "aten::tan": _unary(unit=True),
+    "aten::tensordot": lambda: ((r(3, 4), r(4, 5), [1], [0]), {}),
+    "aten::upsample_bicubic2d": lambda: ((r(1, 2, 4, 4), [8, 8], False), {}),
+    "aten::upsample_bilinear2d": lambda: ((r(1, 2, 4, 4), [8, 8], False), {}),
+    "aten::upsample_linear1d": lambda: ((r(1, 2, 4), [8], False), {}),
+    "aten::upsample_nearest1d": lambda: ((r(1, 2, 4), [8]), {}),
+    "aten::upsample_nearest2d": lambda: ((r(1, 2, 4, 4), [8, 8]), {}),
+    "aten::upsample_nearest3d": lambda: ((r(1, 2, 4, 4, 4), [8, 8, 8]), {}),
+    "aten::upsample_trilinear3d": lambda: ((r(1, 2, 4, 4, 4), [8, 8, 8], False), {}),
+    "aten::vdot": lambda: ((r(4).half(), r(4)), {}),
+}
