@@ -216,11 +216,14 @@ def trace(
     for i, (mode, under_autocast) in enumerate(attempts):
         out_spec.clear()
         ctx = ambient_autocast({device_type: (True, dtype)}) if under_autocast else contextlib.nullcontext()
+        leaves = [*state.values(), *in_leaves]
+        if mode == "real":  # a real trace runs the program: keep BatchNorm stats etc. of the caller intact
+            leaves = [_copy_leaf(x) for x in leaves]
         try:
             with ctx:
                 gm = make_fx(
                     flat, pre_dispatch=True, tracing_mode=mode, _allow_non_fake_inputs=True, record_stack_traces=True
-                )(*state.values(), *in_leaves)
+                )(*leaves)
             break
         except (RuntimeError, NotImplementedError, Warning):  # Warning: when warnings are errors
             if i == len(attempts) - 1:
@@ -230,6 +233,12 @@ def trace(
         torch.fx.graph._PyTreeInfo(_arg_names(target, len(example_inputs)), in_spec, out_spec[0])
     )
     return gm, names, codegen
+
+
+def _copy_leaf(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().clone().requires_grad_(x.requires_grad)
 
 
 def _arg_names(fn: Callable, n: int) -> list[str]:
