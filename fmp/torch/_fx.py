@@ -8,7 +8,6 @@ post-dispatch graph has already decomposed away.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -208,14 +207,16 @@ def trace(
         out_spec.append(spec)
         return out_leaves
 
-    # Fake tensors first (no compute); ops without a fake kernel need a real trace. Ops that only run
-    # once autocast has cast their inputs (linalg on bfloat16) are traced under torch.autocast: the
-    # nodes are the same raw pre-dispatch ops, only their recorded values already show autocast's dtypes.
-    # Tensors a function closes over (a module it calls) become constants of the graph.
-    attempts = [(mode, ac) for ac in (False, True) for mode in ("fake", "real")]
-    for i, (mode, under_autocast) in enumerate(attempts):
+    # Traced with torch's autocast state on, as the eager program runs: Python code that asks
+    # torch.is_autocast_enabled() (MultiheadAttention's fast path, user branches) takes the same path,
+    # and ops that only run once autocast cast their inputs (linalg on bfloat16) trace. The nodes are
+    # still the raw pre-dispatch ops (pre-dispatch tracing sits above the Autocast key); only their
+    # recorded values show autocast's dtypes. Fake tensors first (no compute); ops without a fake
+    # kernel need a real trace. Tensors a function closes over become constants of the graph.
+    attempts = ("fake", "real")
+    for i, mode in enumerate(attempts):
         out_spec.clear()
-        ctx = ambient_autocast({device_type: (True, dtype)}) if under_autocast else contextlib.nullcontext()
+        ctx = ambient_autocast({device_type: (True, dtype)})
         leaves = [*state.values(), *in_leaves]
         if mode == "real":  # a real trace runs the program: keep BatchNorm stats etc. of the caller intact
             leaves = [_copy_leaf(x) for x in leaves]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -146,6 +147,7 @@ class Rewriter:
         self._cast_memo: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
         self._probe_cache: dict[Any, bool] = {}
         self._region_saved: dict[torch.fx.Node, dict[str, tuple[bool, torch.dtype]]] = {}
+        self._before: dict[torch.fx.Node, Any] = {}  # node -> value with autocast off (explain only)
         self.changed = False
 
     # ---- values -------------------------------------------------------------------------------
@@ -247,6 +249,32 @@ class Rewriter:
                 env[node] = self._opaque(node, env)
         return None
 
+    # ---- "before" values for the report: the program run with autocast off ---------------------
+    def _plain(self, node: torch.fx.Node) -> Any:
+        """The value ``node`` has without any autocast (traced values may already show autocast's dtypes)."""
+        if node in self._before:
+            return self._before[node]
+        val = node.meta.get("val")
+        if node.op == "call_function" and (
+            isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
+        ):
+            args = torch.fx.node.map_arg((node.args, node.kwargs), self._plain)
+            quiet = logging.getLogger("torch._subclasses.fake_tensor")
+            level = quiet.level
+            quiet.setLevel(logging.CRITICAL)  # a failing meta kernel logs a traceback before raising
+            try:
+                with self.fake_mode:
+                    val = node.target(*self._fake(args[0]), **self._fake(args[1]))
+            except Exception:  # noqa: BLE001  (an op that only runs under autocast: keep the traced value)
+                val = node.meta.get("val")
+            finally:
+                quiet.setLevel(level)
+        self._before[node] = val
+        return val
+
+    def _inputs_before(self, node: torch.fx.Node) -> tuple[str, ...]:
+        return _float_names(list(torch.fx.node.map_arg((node.args, node.kwargs), self._plain)))
+
     def _opaque(self, node: torch.fx.Node, env: dict) -> torch.fx.Node:
         changed = any(not _same_meta(a.meta.get("val"), self.vals.get(env[a])) for a in node.all_input_nodes)
         if changed:
@@ -323,7 +351,7 @@ class Rewriter:
             ins = _float_names(self._val((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
             self.events.append(
-                Event(key, cat, new, node, _inputs_before(node), ins, _float_names(node.meta.get("val")))
+                Event(key, cat, new, node, self._inputs_before(node), ins, _float_names(self._plain(node)))
             )
         return new
 
@@ -383,7 +411,7 @@ class Rewriter:
             rule = category.value if variant is None else f"{category.value} ({variant})"
             ins = _float_names(self._val((args, kwargs)))
             self.events.append(
-                Event(key, rule, new, node, _inputs_before(node), ins, _float_names(node.meta.get("val")))
+                Event(key, rule, new, node, self._inputs_before(node), ins, _float_names(self._plain(node)))
             )
         return new
 
@@ -439,6 +467,8 @@ class Rewriter:
             return None
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         env: dict[torch.fx.Node, Any] = dict(zip(placeholders, flat, strict=True))
+        for n in sub.graph.nodes:  # a decomposition exists only under autocast: its values are "before"
+            self._before[n] = n.meta.get("val")
         for n in sub.graph.nodes:  # the decomposition's nodes report the user's source line
             if n.op == "call_function":
                 for key in ("stack_trace", "nn_module_stack"):
@@ -507,10 +537,6 @@ def _dtype_overload(op: torch._ops.OpOverload, args: tuple) -> tuple[torch._ops.
     positional = [a for a in op._schema.arguments if not a.kwarg_only]
     full = list(args) + [a.default_value for a in positional[len(args) :]]
     return target, tuple(full)
-
-
-def _inputs_before(node: torch.fx.Node) -> tuple[str, ...]:
-    return _float_names(list(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))))
 
 
 def _same_meta(old: Any, new: Any) -> bool:

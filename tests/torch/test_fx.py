@@ -522,3 +522,19 @@ def test_rewrite_is_idempotent():
     again = fmp.torch.autocast_graph(gm, "cpu")
     assert len(_casts(again)) == len(_casts(gm))
     _assert_same(again(*inputs), gm(*inputs))
+
+
+def test_python_code_that_asks_for_autocast_takes_the_eager_path():
+    def f(x):
+        if torch.is_autocast_enabled("cpu"):  # library code does this (e.g. to pick a dtype)
+            return (x @ x).float() * 2
+        return x @ x
+
+    x = torch.randn(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = f(x)
+    gm = fmp.torch.autocast_fx(f, (x,))
+    _assert_same(gm(x), expected)
+    report = fmp.torch.explain_fx(f, (x,))
+    mm = report.filter(op="aten::matmul").records[0]
+    assert mm.in_before == ("float32", "float32") and mm.out_after == ("bfloat16",)
