@@ -301,7 +301,11 @@ def autocast_fx(
     the input (``gm(*example_inputs)`` returns the same structure). For a module,
     the graph reads the module's own ``Parameter`` and buffer objects (shared, not
     copied), so optimizer steps, ``load_state_dict`` and BatchNorm running-stat
-    updates are seen by both; the train/eval mode is the one at trace time.
+    updates are seen by both. Tracing runs with torch's autocast state on, so Python
+    code that checks ``torch.is_autocast_enabled()`` takes the path it takes under
+    eager autocast; like any trace, it fixes the train/eval mode, Python control flow
+    and non-tensor arguments to those of the example. Keyword arguments are not
+    traced (bind them with ``functools.partial``).
 
     Args:
       fn_or_module: A ``torch.nn.Module`` or a function of tensors.
