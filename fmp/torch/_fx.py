@@ -22,7 +22,8 @@ from torch.utils import _pytree as pytree
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
 from fmp._policy import Policy, get_policy
-from fmp.torch._fx_rewrite import _MSG_NO_META, Event, Rewriter, ambient_autocast
+from fmp.torch._fx_common import _MSG_NO_META, Event, ambient_autocast
+from fmp.torch._fx_rewrite import Rewriter
 
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}

@@ -15,7 +15,7 @@ import fmp
 from fmp._core._report import OpRecord, Report
 from fmp._core._rules import RuleSet
 from fmp.torch import _fx
-from fmp.torch._fx_rewrite import Event, _float_names
+from fmp.torch._fx_common import Event, _float_names
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))

@@ -310,7 +310,7 @@ def _fake_cuda(shape):
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
 @pytest.mark.parametrize("name", sorted(CUDA_CASES))
 def test_cuda_rules_on_fake_cuda_tensors(name, dtype):
-    from fmp.torch._fx_rewrite import ambient_autocast
+    from fmp.torch._fx_common import ambient_autocast
 
     fn = CUDA_CASES[name]
     a = _fake_cuda((4, 4))
