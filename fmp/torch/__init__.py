@@ -9,9 +9,19 @@ from fmp.torch._custom import custom_bwd as custom_bwd
 from fmp.torch._custom import custom_fwd as custom_fwd
 from fmp.torch._grad_scaler import GradScaler as GradScaler
 
+from fmp.torch._fx import autocast_fx as autocast_fx
+from fmp.torch._fx import autocast_graph as autocast_graph
+from fmp.torch._fx_explain import explain_fx as explain_fx
+from fmp.torch._fx_explain import explain_graph as explain_graph
+
 __all__ = [
     "GradScaler",
     "autocast",
+    "autocast_fx",
+    "autocast_graph",
+    "cuda",
     "custom_bwd",
     "custom_fwd",
+    "explain_fx",
+    "explain_graph",
 ]

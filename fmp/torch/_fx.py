@@ -1,0 +1,340 @@
+"""Autocast as a pure transform over torch FX graphs: ``autocast_fx`` and ``autocast_graph``.
+
+The graph level is the pre-dispatch ATen graph (``make_fx(..., pre_dispatch=True)``
+or ``torch.export``): its nodes carry exactly the op names torch's autocast is
+registered on (``aten.linear``, ``aten.cross_entropy_loss``), which a
+post-dispatch graph has already decomposed away.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from fmp._core import _dtypes
+from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
+from fmp._policy import Policy, get_policy
+from fmp.torch._fx_common import _MSG_NO_META, Event, ambient_autocast
+from fmp.torch._fx_rewrite import Rewriter
+
+_LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
+
+_MSG_POLICY = (
+    "policy must be a (device_type, dtype) pair such as ('cpu', torch.bfloat16), a torch device type "
+    "('cpu' or 'cuda'), an fmp Policy or policy spec string ('mixed_bfloat16'), or None with "
+    "device_type=/dtype= keywords; got {got!r}"
+)
+
+
+def resolve_policy(
+    policy: Any = None,
+    device_type: str | None = None,
+    dtype: Any = None,
+    rules: RuleSet | None = None,
+) -> tuple[str, torch.dtype, RuleSet]:
+    """Normalizes the accepted policy spellings to ``(device_type, low-precision dtype, rules)``."""
+    if rules is None:
+        rules = DEFAULT_RULES
+    elif not isinstance(rules, RuleSet):
+        raise TypeError(
+            f"rules must be an fmp.RuleSet (e.g. fmp.DEFAULT_RULES.derive(...)), got {type(rules).__name__}"
+        )
+    if isinstance(policy, tuple) and len(policy) == 2:
+        if device_type is not None or dtype is not None:
+            raise ValueError("policy=(device_type, dtype) and the device_type=/dtype= keywords are exclusive")
+        device_type, dtype = policy
+    elif isinstance(policy, str) and policy in TORCH_DEVICES:
+        if device_type is not None:
+            raise ValueError(f"policy={policy!r} names the device already; drop device_type={device_type!r}")
+        device_type = policy
+    elif isinstance(policy, Policy | str):
+        try:
+            pol = get_policy(policy)
+        except ValueError as err:
+            raise ValueError(f"{_MSG_POLICY.format(got=policy)}. {err}") from None
+        if dtype is not None:
+            raise ValueError("an fmp Policy fixes the compute dtype; drop the dtype= keyword")
+        dtype = pol.compute_dtype.name
+    elif policy is not None:
+        raise TypeError(_MSG_POLICY.format(got=policy))
+    device_type = "cpu" if device_type is None else device_type
+    if not isinstance(device_type, str) or device_type not in TORCH_DEVICES:
+        raise ValueError(f"device_type must be one of {TORCH_DEVICES}, got {device_type!r}")
+    if dtype is None:
+        dtype = _DEFAULT_DTYPE[device_type]
+    name = _dtypes.canonical_name(dtype) if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in _LOW:
+        raise ValueError(
+            f"the autocast dtype must be torch.bfloat16 or torch.float16 (torch autocast supports no other), "
+            f"got {dtype!r}"
+        )
+    return device_type, _LOW[name], rules
+
+
+def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            obj: Any = gm
+            for part in node.target.split("."):
+                obj = getattr(obj, part)
+            out[node.target] = obj
+    return out
+
+
+def _fake_mode_of(graph: torch.fx.Graph) -> FakeTensorMode:
+    vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
+    try:
+        mode = detect_fake_mode(pytree.tree_leaves(vals))
+    except AssertionError:  # values from several modes (a real-mode trace): use a fresh one
+        mode = None
+    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def rewrite(
+    graph_module: torch.fx.GraphModule,
+    device_type: str,
+    dtype: torch.dtype,
+    rules: RuleSet,
+    events: list[Event] | None = None,
+) -> torch.fx.GraphModule:
+    """The transform behind :func:`autocast_graph` (policy already resolved)."""
+    for node in graph_module.graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and "val" not in node.meta:
+            raise ValueError(_MSG_NO_META.format(node=node.name))
+    attrs = _attrs(graph_module)
+    rw = Rewriter(rules, {device_type: (True, dtype)}, _fake_mode_of(graph_module.graph), attrs, events)
+    out = rw.run(graph_module.graph, {})
+    rw.graph.output(out)
+    rw.graph._codegen = graph_module.graph._codegen
+    for node in list(rw.graph.nodes):  # submodules of inlined wrap_with_autocast regions
+        if node.op == "get_attr" and not node.users and isinstance(rw.attrs.get(node.target), torch.nn.Module):
+            rw.graph.erase_node(node)
+    rw.graph.lint()
+    used = {n.target for n in rw.graph.nodes if n.op in ("get_attr", "call_module")}
+    new = torch.fx.GraphModule({k: v for k, v in rw.attrs.items() if k in used}, rw.graph)
+    new.meta.update(getattr(graph_module, "meta", {}))
+    return new
+
+
+def autocast_graph(
+    graph_module: torch.fx.GraphModule,
+    policy: Any = None,
+    rules: RuleSet | None = None,
+    *,
+    device_type: str | None = None,
+    dtype: Any = None,
+) -> torch.fx.GraphModule:
+    """Rewrites a pre-dispatch ATen graph so every autocast cast is an explicit node.
+
+    The pure transform for users who already hold a graph from
+    ``make_fx(f, pre_dispatch=True)`` or ``torch.export.export(...).module()``.
+    Each op listed for the tensors' device gets ``aten._to_copy`` casts on its
+    eligible inputs (floating, not float64, same device), exactly as
+    ``torch.autocast`` would cast them; traced autocast regions inside keep their
+    own settings. The input graph is not modified.
+
+    Args:
+      graph_module: A ``torch.fx.GraphModule`` whose nodes have ``meta["val"]``.
+      policy: ``(device_type, dtype)``, a device type (``"cpu"``: bfloat16,
+        ``"cuda"``: float16), an fmp ``Policy`` or spec (its compute dtype), or
+        ``None`` with the keywords.
+      rules: The rule table; ``fmp.DEFAULT_RULES`` (torch 2.13's registry) if None.
+      device_type: ``"cpu"`` or ``"cuda"`` when ``policy`` gives none.
+      dtype: ``torch.bfloat16`` or ``torch.float16`` when ``policy`` gives none.
+
+    Returns:
+      A new ``GraphModule`` with the same calling convention and no autocast state.
+
+    Raises:
+      ValueError, TypeError: a malformed policy or rule set.
+      RuntimeError: a banned op (CUDA ``binary_cross_entropy``) under autocast.
+
+    Examples:
+      >>> import torch
+      >>> from torch.fx.experimental.proxy_tensor import make_fx
+      >>> gm = make_fx(lambda a, b: torch.mm(a, b).exp(), pre_dispatch=True)(torch.ones(2, 2), torch.ones(2, 2))
+      >>> out = fmp.torch.autocast_graph(gm, ("cpu", torch.bfloat16))
+      >>> [str(n.meta["val"].dtype) for n in out.graph.nodes if n.op == "call_function"]
+      ['torch.bfloat16', 'torch.bfloat16', 'torch.bfloat16', 'torch.bfloat16']
+    """
+    if not isinstance(graph_module, torch.fx.GraphModule):
+        raise TypeError(f"graph_module must be a torch.fx.GraphModule, got {type(graph_module).__name__}")
+    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
+    return rewrite(graph_module, device_type, dtype, rules)
+
+
+def trace(
+    fn_or_module: Callable | torch.nn.Module, example_inputs: Any, device_type: str, dtype: torch.dtype
+) -> tuple[torch.fx.GraphModule, list[str], Any]:
+    """Traces a pre-dispatch ATen graph whose first placeholders are a module's params and buffers.
+
+    Returns the graph module (calling convention: flat ``*state, *input_leaves``),
+    the qualified names of the state placeholders, and the codegen that gives the
+    caller's calling convention once the state placeholders are gone.
+    """
+    if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, Sequence):
+        raise TypeError(
+            f"example_inputs must be a tuple of positional arguments, e.g. (x,), got {type(example_inputs).__name__}"
+        )
+    if isinstance(fn_or_module, torch.nn.Module):
+        module = fn_or_module
+        state = dict(module.named_parameters())
+        state.update(module.named_buffers())
+    elif callable(fn_or_module):
+        module, state = None, {}
+    else:
+        raise TypeError(f"fn_or_module must be a callable or a torch.nn.Module, got {type(fn_or_module).__name__}")
+    names = list(state)
+    in_leaves, in_spec = pytree.tree_flatten(list(example_inputs))
+    out_spec: list[pytree.TreeSpec] = []
+
+    def flat(*leaves: Any) -> list[Any]:
+        args = pytree.tree_unflatten(list(leaves[len(names) :]), in_spec)
+        if module is not None:
+            out = torch.func.functional_call(module, dict(zip(names, leaves[: len(names)], strict=True)), tuple(args))
+        else:
+            out = fn_or_module(*args)
+        out_leaves, spec = pytree.tree_flatten(out)
+        out_spec.append(spec)
+        return out_leaves
+
+    # Traced with torch's autocast state on, as the eager program runs: Python code that asks
+    # torch.is_autocast_enabled() (MultiheadAttention's fast path, user branches) takes the same path,
+    # and ops that only run once autocast cast their inputs (linalg on bfloat16) trace. The nodes are
+    # still the raw pre-dispatch ops (pre-dispatch tracing sits above the Autocast key); only their
+    # recorded values show autocast's dtypes. Fake tensors first (no compute); ops without a fake
+    # kernel need a real trace. Tensors a function closes over become constants of the graph.
+    attempts = ("fake", "real")
+    for i, mode in enumerate(attempts):
+        out_spec.clear()
+        ctx = ambient_autocast({device_type: (True, dtype)})
+        leaves = [*state.values(), *in_leaves]
+        if mode == "real":  # a real trace runs the program: keep BatchNorm stats etc. of the caller intact
+            leaves = [_copy_leaf(x) for x in leaves]
+        try:
+            with ctx:
+                gm = make_fx(
+                    flat, pre_dispatch=True, tracing_mode=mode, _allow_non_fake_inputs=True, record_stack_traces=True
+                )(*leaves)
+            break
+        except (RuntimeError, NotImplementedError, Warning):  # Warning: when warnings are errors
+            if i == len(attempts) - 1:
+                raise
+    target = fn_or_module.forward if module is not None else fn_or_module
+    codegen = torch.fx.graph._PyTreeCodeGen(
+        torch.fx.graph._PyTreeInfo(_arg_names(target, len(example_inputs)), in_spec, out_spec[0])
+    )
+    return gm, names, codegen
+
+
+def _copy_leaf(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def _arg_names(fn: Callable, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    plain = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return plain[:n] if len(plain) >= n else [f"arg{i}" for i in range(n)]
+
+
+def _get(obj: Any, target: str) -> Any:
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def bind_state(
+    gm: torch.fx.GraphModule, module: torch.nn.Module | None, names: list[str], codegen: Any
+) -> torch.fx.GraphModule:
+    """Replaces the state placeholders by get_attr nodes of the module's own params and buffers.
+
+    The result is called like the user's function (``codegen``) and holds the very
+    ``Parameter`` and buffer objects of ``module``, under their qualified names.
+    """
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    root: dict[str, Any] = {}
+    state = iter(names)
+    for node in gm.graph.nodes:
+        name = next(state, None) if node.op == "placeholder" else None
+        if name is not None:
+            env[node] = graph.get_attr(name)
+            env[node].meta.update(node.meta)
+            root[name] = _get(module, name)
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.op == "get_attr":
+                root[node.target] = _get(gm, node.target)
+    graph._codegen = codegen
+    graph.lint()
+    name = type(module).__name__ if module is not None else "Function"
+    return torch.fx.GraphModule(root, graph, class_name=f"Autocast{name}")
+
+
+def autocast_fx(
+    fn_or_module: Callable | torch.nn.Module,
+    example_inputs: Sequence[Any],
+    policy: Any = None,
+    *,
+    device_type: str | None = None,
+    dtype: Any = None,
+    rules: RuleSet | None = None,
+) -> torch.fx.GraphModule:
+    """Traces ``fn_or_module`` and returns its graph with autocast's casts made explicit.
+
+    The result needs no autocast context: it can be inspected, saved, compiled
+    with ``torch.compile`` and exported with ``torch.export``. It is called like
+    the input (``gm(*example_inputs)`` returns the same structure). For a module,
+    the graph reads the module's own ``Parameter`` and buffer objects (shared, not
+    copied), so optimizer steps, ``load_state_dict`` and BatchNorm running-stat
+    updates are seen by both. Tracing runs with torch's autocast state on, so Python
+    code that checks ``torch.is_autocast_enabled()`` takes the path it takes under
+    eager autocast; like any trace, it fixes the train/eval mode, Python control flow
+    and non-tensor arguments to those of the example. Keyword arguments are not
+    traced (bind them with ``functools.partial``).
+
+    Args:
+      fn_or_module: A ``torch.nn.Module`` or a function of tensors.
+      example_inputs: Tuple of positional arguments to trace with (only their
+        shapes, dtypes and devices are used: tracing runs on fake tensors).
+      policy: ``(device_type, dtype)``, a device type, an fmp ``Policy`` / spec
+        string, or ``None`` with ``device_type=``/``dtype=``. Defaults to
+        ``("cpu", torch.bfloat16)``.
+      device_type: ``"cpu"`` or ``"cuda"``.
+      dtype: ``torch.bfloat16`` or ``torch.float16``.
+      rules: A custom ``fmp.RuleSet``; ``fmp.DEFAULT_RULES`` if None.
+
+    Returns:
+      A ``torch.fx.GraphModule``.
+
+    Raises:
+      TypeError, ValueError: bad arguments or policy.
+
+    Examples:
+      >>> import torch
+      >>> lin = torch.nn.Linear(4, 3)
+      >>> gm = fmp.torch.autocast_fx(lin, (torch.ones(2, 4),), ("cpu", torch.bfloat16))
+      >>> gm(torch.ones(2, 4)).dtype
+      torch.bfloat16
+      >>> gm.weight is lin.weight
+      True
+    """
+    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
+    gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
+    module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
+    return rewrite(bind_state(gm, module, names, codegen), device_type, dtype, rules)

@@ -1,0 +1,215 @@
+"""Every op of torch 2.13's CPU autocast registry: ``autocast_fx`` vs eager ``torch.autocast``, bitwise."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+import fmp  # noqa: E402
+import fmp.torch  # noqa: E402
+from fmp.torch._fx_common import ambient_autocast, op_key  # noqa: E402
+from tests.torch.fx_op_samples import CUDA_SAMPLES, SAMPLES  # noqa: E402
+
+CPU_OPS = sorted(fmp.DEFAULT_RULES.table("torch", "cpu"))
+CUDA_OPS = sorted(fmp.DEFAULT_RULES.table("torch", "cuda"))
+LOW = [torch.bfloat16, torch.float16]
+
+# Every registry op has a sample in fx_op_samples.py. When eager autocast raises for
+# an input, the transformed module must raise the same exception type (checked in
+# _run); at least one input variant must run, except for these ops, where eager
+# torch.autocast raises for every input on this machine:
+EAGER_FAILS = {
+    "aten::mkldnn_rnn_layer": "oneDNN builds no bf16/f16 LSTM primitive on CPUs without native bf16/f16 "
+    "support ('could not create a primitive descriptor'); the transform raises the same RuntimeError",
+}
+
+# Ops eager torch.autocast itself does not reproduce bit for bit: compared to 1e-5.
+NOT_REPRODUCIBLE = {
+    "aten::linalg_lstsq": "MKL's gelsy result depends on buffer alignment: two eager calls on copies of the same "
+    "inputs differ in the last bits about half the time",
+}
+
+
+def _resolve(key: str):
+    base, _, overload = key.removeprefix("aten::").partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _convert(tree, dtype):
+    def leaf(x):
+        if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+            return x.to(dtype)
+        return x
+
+    return torch.utils._pytree.tree_map(leaf, tree)
+
+
+def _assert_bitwise(got, expected, exact=True):
+    got_leaves = torch.utils._pytree.tree_leaves(got)
+    exp_leaves = torch.utils._pytree.tree_leaves(expected)
+    assert len(got_leaves) == len(exp_leaves)
+    for g, e in zip(got_leaves, exp_leaves, strict=True):
+        if not isinstance(e, torch.Tensor):
+            assert g == e
+            continue
+        assert g.dtype == e.dtype
+        assert g.shape == e.shape
+        if e.is_complex():
+            g, e = torch.view_as_real(g.resolve_conj()), torch.view_as_real(e.resolve_conj())
+        assert torch.equal(g.isnan(), e.isnan())
+        if exact:
+            assert torch.equal(g.nan_to_num(), e.nan_to_num()), "values differ"
+        else:
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def _run(op, key, args, kwargs, dtype, device="cpu"):
+    def one_op(a, k):
+        return op(*a, **k)
+
+    try:
+        with torch.autocast(device, dtype=dtype):
+            expected = one_op(args, kwargs)
+    except (RuntimeError, NotImplementedError) as err:
+        expected = err
+    if isinstance(expected, Exception):
+        with pytest.raises(type(expected)):
+            fmp.torch.autocast_fx(one_op, (args, kwargs), (device, dtype))(args, kwargs)
+        return False
+    gm = fmp.torch.autocast_fx(one_op, (args, kwargs), (device, dtype))
+    keys = [op_key(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
+    assert key in keys, f"the traced graph does not contain {key}: {keys}"
+    _assert_bitwise(gm(args, kwargs), expected, exact=key not in NOT_REPRODUCIBLE)
+    return True
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "f16"])
+@pytest.mark.parametrize("key", CPU_OPS)
+def test_registry_op_matches_eager_autocast(key, dtype):
+    op = _resolve(key)
+    torch.manual_seed(0)
+    args, kwargs = SAMPLES[key]()
+    ran = [_run(op, key, args, kwargs, dtype)]
+    ran.append(_run(op, key, *_convert((args, kwargs), dtype), dtype))
+    if key not in EAGER_FAILS:
+        assert any(ran), f"{key}: eager autocast raised for float32 and for {dtype} inputs"
+
+
+# ---- CUDA: no GPU here, so fake CUDA tensors; the oracle is torch's own AutocastCUDA kernel ----------
+# (registered in CPU builds too). The transformed graph runs WITHOUT autocast, so every dtype it
+# produces comes from the casts / dtype arguments the transform wrote.
+
+
+def _fake_cuda(mode, tree):
+    def leaf(x):  # values do not matter to dtypes; fake tensors carry none
+        return torch.empty(x.shape, dtype=x.dtype, device="cuda") if isinstance(x, torch.Tensor) else x
+
+    with mode:
+        return torch.utils._pytree.tree_map(leaf, tree)
+
+
+def _dtypes_of(tree):
+    return [(x.dtype, tuple(x.shape)) for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _cuda_variant(op, key, args, kwargs, dtype):
+    mode = FakeTensorMode()
+    args, kwargs = _fake_cuda(mode, (args, kwargs))
+
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+
+    def one_op(*flat):
+        a, k = torch.utils._pytree.tree_unflatten(list(flat), spec)
+        return op(*a, **k)
+
+    try:
+        with ambient_autocast({"cuda": (True, dtype)}), mode:
+            expected = one_op(*leaves)
+    except (RuntimeError, NotImplementedError) as err:
+        expected = err
+
+    def transformed():
+        try:
+            gm = make_fx(one_op, pre_dispatch=True)(*leaves)
+        except (RuntimeError, NotImplementedError):  # the raw op refuses these dtypes; trace as autocast runs it
+            with ambient_autocast({"cuda": (True, dtype)}):
+                gm = make_fx(one_op, pre_dispatch=True)(*leaves)
+        out = fmp.torch.autocast_graph(gm, ("cuda", dtype))
+        with mode:
+            return out(*leaves)
+
+    if isinstance(expected, Exception):
+        with pytest.raises(type(expected)):
+            transformed()
+        return False
+    got = transformed()
+    assert _dtypes_of(got) == _dtypes_of(expected)
+    return True
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "f16"])
+@pytest.mark.parametrize("key", CUDA_OPS)
+def test_cuda_registry_op_dtypes_match_autocast_cuda(key, dtype):
+    if key in FAKE_CUDA_UNRUNNABLE:
+        pytest.skip(f"{key}: {FAKE_CUDA_UNRUNNABLE[key]}")
+    op = _resolve(key)
+    torch.manual_seed(0)
+    args, kwargs = CUDA_SAMPLES[key]() if key in CUDA_SAMPLES else SAMPLES[key]()
+    ran = [_cuda_variant(op, key, args, kwargs, dtype)]
+    ran.append(_cuda_variant(op, key, *_convert((args, kwargs), dtype), dtype))
+    if key not in CUDA_RAISES:
+        assert any(ran), f"{key}: AutocastCUDA raised for float32 and for {dtype} inputs"
+
+
+CUDA_RAISES = {
+    "aten::binary_cross_entropy": "banned under CUDA autocast: both raise torch's message",
+}
+
+_NO_FAKE = "no fake/meta kernel for CUDA tensors on a CPU-only build, so neither side can run here"
+_CUDA_DECOMP = "its fake CUDA path calls into the CUDA runtime ('Torch not compiled with CUDA enabled')"
+# Checked bitwise by test_cuda_registry_op_bitwise_on_gpu when a GPU is present.
+FAKE_CUDA_UNRUNNABLE = {
+    "aten::_thnn_fused_gru_cell": _NO_FAKE,
+    "aten::_thnn_fused_lstm_cell": _NO_FAKE,
+    "aten::cudnn_convolution": _NO_FAKE,
+    "aten::cudnn_convolution_transpose": _NO_FAKE,
+    "aten::gru_cell": _NO_FAKE + " (decomposes into _thnn_fused_gru_cell on CUDA)",
+    "aten::lstm_cell": _NO_FAKE + " (decomposes into _thnn_fused_lstm_cell on CUDA)",
+    "aten::grid_sampler": _NO_FAKE + " (dispatches to cudnn_grid_sampler): both sides raise",
+    "aten::cosine_similarity": _CUDA_DECOMP,
+    "aten::multi_margin_loss": _CUDA_DECOMP,
+    "aten::multilabel_margin_loss": _CUDA_DECOMP,
+    **dict.fromkeys(
+        [
+            "aten::_upsample_nearest_exact1d",
+            "aten::_upsample_nearest_exact2d",
+            "aten::_upsample_nearest_exact3d",
+            "aten::upsample_bicubic2d",
+            "aten::upsample_bilinear2d",
+            "aten::upsample_nearest1d",
+            "aten::upsample_nearest2d",
+            "aten::upsample_nearest3d",
+        ],
+        _CUDA_DECOMP,
+    ),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "f16"])
+@pytest.mark.parametrize("key", CUDA_OPS)
+def test_cuda_registry_op_bitwise_on_gpu(key, dtype):
+    op = _resolve(key)
+    torch.manual_seed(0)
+    args, kwargs = CUDA_SAMPLES[key]() if key in CUDA_SAMPLES else SAMPLES[key]()
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda x: x.cuda() if isinstance(x, torch.Tensor) else x, (args, kwargs)
+    )
+    ran = [_run(op, key, args, kwargs, dtype, "cuda")]
+    ran.append(_run(op, key, *_convert((args, kwargs), dtype), dtype, "cuda"))
+    if key not in CUDA_RAISES:
+        assert any(ran), f"{key}: eager CUDA autocast raised for float32 and for {dtype} inputs"
