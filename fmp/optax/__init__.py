@@ -3,6 +3,16 @@
 Importing this module imports optax.
 """
 
-import optax as _optax  # noqa: F401  (fail early with a clear ImportError if optax is missing)
+from fmp.optax._loss_scaled import LossScaledState as LossScaledState
+from fmp.optax._loss_scaled import SkipNonfiniteState as SkipNonfiniteState
+from fmp.optax._loss_scaled import current_scaler as current_scaler
+from fmp.optax._loss_scaled import loss_scaled as loss_scaled
+from fmp.optax._loss_scaled import skip_nonfinite as skip_nonfinite
 
-__all__: list[str] = []
+__all__ = [
+    "LossScaledState",
+    "SkipNonfiniteState",
+    "current_scaler",
+    "loss_scaled",
+    "skip_nonfinite",
+]
