@@ -208,7 +208,8 @@ class GradScaler:
     ``backoff_factor`` and resets the tracker; the ``growth_interval``-th consecutive finite step
     multiplies it by ``growth_factor`` (unless that overflows) and resets the tracker. Products are
     rounded through float64 like torch's kernels. One known difference: XLA on CPU flushes float32
-    denormals to zero and torch does not, so scales below ~1.2e-38 differ.
+    denormals to zero and torch does not, so scales below ~1.2e-38 differ, and above ~8.5e37 the
+    reciprocal used by :meth:`unscale` is a denormal that XLA CPU flushes to zero.
 
     Three modes: dynamic (default); static (``dynamic=False`` or :meth:`GradScaler.static`: a fixed
     scale that still reports non-finite steps so they can be skipped); disabled (``enabled=False``: a
