@@ -113,8 +113,10 @@ def loss_scaled(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> LossScaledState:
-        zero = jnp.zeros([], jnp.int32)
-        return LossScaledState(scaler, inner.init(params), zero, zero)
+        # fresh, distinct arrays (no zero shared between leaves, no buffer shared with an earlier
+        # init), so the state can be donated
+        fresh = jax.tree.map(jnp.copy, scaler)
+        return LossScaledState(fresh, inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state: LossScaledState, params=None, **extra_args):
         sc = state.scaler
@@ -158,8 +160,7 @@ def skip_nonfinite(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState:
-        zero = jnp.zeros([], jnp.int32)
-        return SkipNonfiniteState(inner.init(params), zero, zero)
+        return SkipNonfiniteState(inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state: SkipNonfiniteState, params=None, **extra_args):
         finite = all_finite(updates, axis_name)
