@@ -74,6 +74,11 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
     # max-reduction per leaf, which vectorises better than an and-reduction over a bool array.
     if x.size == 0:
         return jnp.array(True)
+    if x.dtype.itemsize < 4:
+        # XLA CPU reduces bfloat16/float16 through a float32 convert; CSE merges that convert with the
+        # one in `unscale`, and the shared convert is then materialised: a float32 copy of the whole
+        # gradient tree (5x slower on a 25M-element bf16 tree). The barrier keeps the two apart.
+        x = jax.lax.optimization_barrier(x)
     return jnp.isfinite(jnp.max(jnp.abs(x)))
 
 
