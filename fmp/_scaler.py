@@ -115,7 +115,8 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
 
     Args:
       pred: Bool scalar.
-      a, b: Pytrees with the same structure, shapes and dtypes.
+      a: Pytree picked where ``pred`` is True.
+      b: Pytree with the same structure, shapes and dtypes as ``a``.
 
     Returns:
       A pytree like ``a``. Skipping a step is ``select_tree(finite, new_params, params)``: the
@@ -227,10 +228,12 @@ class GradScaler:
       backoff_factor: Multiplier after a non-finite step, in (0, 1).
       growth_interval: Consecutive finite steps before growing, an int >= 1.
       enabled: False gives a pass-through scaler.
-      min_scale, max_scale: Optional clamps on the scale (off by default, like torch).
+      min_scale: Optional lower clamp on the scale (off by default, like torch).
+      max_scale: Optional upper clamp on the scale (off by default, like torch).
       dynamic: False keeps the scale fixed (a static scaler).
-      loss_scale, growth_tracker: The array state; leave them unset to start from ``init_scale`` and 0
-        (they are set when JAX rebuilds the pytree).
+      loss_scale: The float32 scale array; leave it unset to start from ``init_scale`` (it is set
+        when JAX rebuilds the pytree).
+      growth_tracker: The int32 count of consecutive finite steps; leave it unset to start from 0.
 
     Raises:
       ValueError: a hyper-parameter is out of range (the message names it).
