@@ -51,14 +51,41 @@ def _counters(skipped: jax.Array, consecutive: jax.Array, finite: jax.Array) -> 
 def _neg_zeros(tree: Any) -> Any:
     # -0.0 is the exact identity of IEEE addition (p + -0.0 == p bit for bit, signed zeros included),
     # so a skipped step leaves params untouched even through optax.apply_updates.
-    return jax.tree.map(lambda u: jnp.full_like(u, -0.0) if jnp.issubdtype(u.dtype, jnp.floating) else u, tree)
+    def leaf(u):
+        if jnp.issubdtype(u.dtype, jnp.floating):
+            return jnp.full(u.shape, -0.0, u.dtype)
+        return jnp.zeros(u.shape, u.dtype)
+
+    return jax.tree.map(leaf, tree)
 
 
-def _guarded_update(inner, updates, inner_state, params, finite, extra_args):
-    new_updates, new_inner = inner.update(updates, inner_state, params, **extra_args)
-    new_updates = select_tree(finite, new_updates, _neg_zeros(new_updates))
-    new_inner = select_tree(finite, new_inner, inner_state)
-    return new_updates, new_inner
+def _guarded_update(inner, updates, inner_state, params, finite, extra_args, prepare=lambda g: g):
+    """``inner.update`` on finite steps; ``-0.0`` updates and the old state, bit for bit, otherwise.
+
+    Two equivalent forms, picked statically by what is cheaper for XLA:
+    * stateless or tiny-state optimizers (SGD): compute, then ``select``; the select fuses into
+      ``optax.apply_updates``, so the step stays one pass over the gradients;
+    * optimizers with tree-sized state (Adam): ``lax.cond``; a select over ``mu``/``nu`` would make XLA
+      copy the donated state buffers every step, and the cond also skips the inner math on skipped steps.
+    """
+    state_size = sum(x.size for x in jax.tree.leaves(inner_state) if hasattr(x, "size"))
+    update_size = sum(x.size for x in jax.tree.leaves(updates))
+    if state_size < update_size:
+        new_updates, new_inner = inner.update(prepare(updates), inner_state, params, **extra_args)
+        new_updates = select_tree(finite, new_updates, _neg_zeros(new_updates))
+        new_inner = select_tree(finite, new_inner, inner_state)
+        return new_updates, new_inner
+
+    def apply(updates, inner_state, params):
+        # `prepare` (the unscale) runs inside the branch, so XLA fuses it instead of materialising
+        # the unscaled gradients as an operand of the cond
+        return inner.update(prepare(updates), inner_state, params, **extra_args)
+
+    def skip(updates, inner_state, params):
+        shapes, _ = jax.eval_shape(apply, updates, inner_state, params)
+        return _neg_zeros(shapes), inner_state
+
+    return jax.lax.cond(finite, apply, skip, updates, inner_state, params)
 
 
 def loss_scaled(
@@ -125,7 +152,7 @@ def loss_scaled(
             return new_updates, state._replace(inner_state=new_inner)
         finite = all_finite(updates, axis_name)
         new_updates, new_inner = _guarded_update(
-            inner, sc.unscale(updates), state.inner_state, params, finite, extra_args
+            inner, updates, state.inner_state, params, finite, extra_args, prepare=sc.unscale
         )
         skipped, consecutive = _counters(state.skipped_steps, state.consecutive_skipped, finite)
         return new_updates, LossScaledState(sc.update(finite), new_inner, skipped, consecutive)
