@@ -69,6 +69,9 @@ def _is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+_SMALL_LEAF = 1 << 14  # elements
+
+
 def _leaf_finite(x: jax.Array) -> jax.Array:
     # max|x| is NaN if any element is NaN (XLA's max propagates NaN) and inf if any is inf: one float
     # max-reduction per leaf, which vectorises better than an and-reduction over a bool array.
@@ -103,7 +106,16 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
       >>> fmp.all_finite([jnp.zeros(2), jnp.arange(3)])
       Array(True, dtype=bool)
     """
-    flags = [_leaf_finite(x) for x in jax.tree.leaves(tree) if _is_float(x)]
+    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    big = [x for x in leaves if x.size > _SMALL_LEAF]
+    small: dict[Any, list[jax.Array]] = {}
+    for x in leaves:
+        if 0 < x.size <= _SMALL_LEAF:
+            small.setdefault(x.dtype, []).append(jnp.ravel(x))
+    # Small leaves (biases, norms) are checked together: one kernel per dtype instead of one per leaf,
+    # for the price of copying a few kilobytes.
+    groups = [xs[0] if len(xs) == 1 else jnp.concatenate(xs) for xs in small.values()]
+    flags = [_leaf_finite(x) for x in big + groups]
     finite = functools.reduce(jnp.logical_and, flags, jnp.array(True))
     if axis_name is not None:
         finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
