@@ -72,6 +72,14 @@ def _is_float(x: Any) -> bool:
 _SMALL_LEAF = 1 << 14  # elements
 
 
+def _groupable(x: Any) -> bool:
+    """Small, non-empty, and not explicitly sharded (ravelling an explicitly sharded array is an error)."""
+    if not 0 < x.size <= _SMALL_LEAF:
+        return False
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is None or all(axis is None for axis in spec)
+
+
 def _leaf_finite(x: jax.Array) -> jax.Array:
     # max|x| is NaN if any element is NaN (XLA's max propagates NaN) and inf if any is inf: one float
     # max-reduction per leaf, which vectorises better than an and-reduction over a bool array.
@@ -107,10 +115,10 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
       Array(True, dtype=bool)
     """
     leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
-    big = [x for x in leaves if x.size > _SMALL_LEAF]
+    big = [x for x in leaves if not _groupable(x)]
     small: dict[Any, list[jax.Array]] = {}
     for x in leaves:
-        if 0 < x.size <= _SMALL_LEAF:
+        if _groupable(x):
             small.setdefault(x.dtype, []).append(jnp.ravel(x))
     # Small leaves (biases, norms) are checked together: one kernel per dtype instead of one per leaf,
     # for the price of copying a few kilobytes.
