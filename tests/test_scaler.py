@@ -281,3 +281,15 @@ def test_post_gradient_step_needs_no_tree_sized_temporary(grad_dtype):
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, fmp.GradScaler(), grads).compile()
     tree_bytes = sum(x.nbytes for x in jax.tree.leaves(grads))
     assert compiled.memory_analysis().temp_size_in_bytes < tree_bytes // 10
+
+
+@pytest.mark.parametrize("bad_leaf", [None, 0, 17, 29])
+def test_all_finite_many_small_leaves_of_mixed_dtypes(bad_leaf):
+    # small leaves are checked together, one kernel per dtype; big ones one by one
+    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+    tree = [jnp.ones((7, 3), dtypes[i % 3]) for i in range(30)] + [jnp.ones((200, 100))]
+    if bad_leaf is not None:
+        tree[bad_leaf] = tree[bad_leaf].at[2, 1].set(jnp.nan)
+    assert bool(jax.jit(fmp.all_finite)(tree)) is (bad_leaf is None)
+    tree[-1] = tree[-1].at[5, 5].set(jnp.inf)
+    assert not bool(fmp.all_finite(tree))
