@@ -9,20 +9,32 @@ from fmp._autocast import explain as explain
 from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
 from fmp._core._rules import RuleSet as RuleSet
+from fmp._grad import grad as grad
+from fmp._grad import value_and_grad as value_and_grad
 from fmp._policy import Policy as Policy
 from fmp._policy import cast_tree as cast_tree
 from fmp._policy import get_policy as get_policy
+from fmp._scaler import GradScaler as GradScaler
+from fmp._scaler import all_finite as all_finite
+from fmp._scaler import nonfinite_leaves as nonfinite_leaves
+from fmp._scaler import select_tree as select_tree
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "Category",
     "DEFAULT_RULES",
+    "GradScaler",
     "Policy",
     "RuleSet",
+    "all_finite",
     "autocast",
     "autocast_jaxpr",
     "cast_tree",
     "explain",
     "get_policy",
+    "grad",
+    "nonfinite_leaves",
+    "select_tree",
+    "value_and_grad",
 ]

@@ -3,14 +3,22 @@
 Importing this module imports optax.
 """
 
-import optax as _optax  # noqa: F401  (fail early with a clear ImportError if optax is missing)
-
+from fmp.optax._loss_scaled import LossScaledState as LossScaledState
+from fmp.optax._loss_scaled import SkipNonfiniteState as SkipNonfiniteState
+from fmp.optax._loss_scaled import current_scaler as current_scaler
+from fmp.optax._loss_scaled import loss_scaled as loss_scaled
+from fmp.optax._loss_scaled import skip_nonfinite as skip_nonfinite
 from fmp.optax._master_weights import MasterWeightsState as MasterWeightsState
 from fmp.optax._master_weights import master_params as master_params
 from fmp.optax._master_weights import master_weights as master_weights
 
-__all__: list[str] = [
+__all__ = [
+    "LossScaledState",
     "MasterWeightsState",
+    "SkipNonfiniteState",
+    "current_scaler",
+    "loss_scaled",
     "master_params",
     "master_weights",
+    "skip_nonfinite",
 ]

@@ -1,0 +1,292 @@
+"""Times the post-gradient step of loss scaling: fmp against its peers, in one process.
+
+The step: take the *scaled* gradients, check them for inf/NaN, unscale, apply SGD only if finite,
+update the scale. Trees are shaped like GPT-2-small parameters (fewer layers / a smaller vocabulary
+for ~25M and ~100M elements). Columns: float32 grads with float32 params, and bfloat16 grads with
+float32 params. Every time is reported in units of one read+write pass over the same gradients
+(``x * c`` jitted with donation): the bandwidth unit. The byte floor of the step is 1.5 units for
+float32 grads (read grads, read params, write params); a separate finite check reads the grads once
+more (2.0 units).
+
+Peers: jmp (its DynamicLossScale / all_finite / select_tree), flax's DynamicScale logic (the lines
+of ``flax.training.dynamic_scale.DynamicScale.value_and_grad`` after the gradient, plus the
+``jnp.where`` selection its ImageNet example does), ``optax.apply_if_finite(optax.sgd)`` (after a
+division by the scale, no scale update: optax has none), a hand-written JAX step, and
+``torch.amp.GradScaler('cpu')`` + ``torch.optim.SGD`` (float32 only: torch grads have the param dtype).
+
+Run: ``python bench/scaler.py`` (``--sizes 25`` for the small tree only, ``--reps N``).
+The scale is 1 + 2**-10 for everyone: not 1, so torch's kernel really multiplies, and close to 1,
+so torch's in-place unscale cannot drift its gradients into denormals while it is being timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fmp, not an installed one
+import fmp  # noqa: E402
+import fmp.optax  # noqa: E402
+
+LR = 1e-3
+SCALE = 1.0 + 2.0**-10
+
+
+def gpt2_like_shapes(n_layer: int, vocab: int, d: int = 768, ctx: int = 1024) -> dict[str, tuple[int, ...]]:
+    shapes = {"wte": (vocab, d), "wpe": (ctx, d), "ln_f.g": (d,), "ln_f.b": (d,)}
+    for i in range(n_layer):
+        p = f"h{i}."
+        shapes |= {
+            p + "ln_1.g": (d,),
+            p + "ln_1.b": (d,),
+            p + "attn.c_attn.w": (d, 3 * d),
+            p + "attn.c_attn.b": (3 * d,),
+            p + "attn.c_proj.w": (d, d),
+            p + "attn.c_proj.b": (d,),
+            p + "ln_2.g": (d,),
+            p + "ln_2.b": (d,),
+            p + "mlp.c_fc.w": (d, 4 * d),
+            p + "mlp.c_fc.b": (4 * d,),
+            p + "mlp.c_proj.w": (4 * d, d),
+            p + "mlp.c_proj.b": (d,),
+        }
+    return shapes
+
+
+SIZES = {25: gpt2_like_shapes(3, 5000), 100: gpt2_like_shapes(12, 20000)}
+
+
+def make_tree(shapes, dtype, seed):
+    key = jax.random.key(seed)
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        out[name] = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32).astype(dtype)
+    return out
+
+
+def timeit(fn, reps):
+    """Best wall time of one call over ``reps`` calls (the least disturbed by other load on the machine);
+    ``fn`` runs one step and blocks."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+class Runner:
+    """Keeps a method's state between calls and donates it, like a training loop."""
+
+    def __init__(self, step, params, state, grads):
+        self.step, self.params, self.state, self.grads = step, params, state, grads
+
+    def __call__(self):
+        self.params, self.state = self.step(self.params, self.state, self.grads)
+        jax.block_until_ready((self.params, self.state))
+
+
+# --- the methods ----------------------------------------------------------------------------------------------------
+def fmp_step(params, scaler, grads):
+    finite = fmp.all_finite(grads)
+    grads = scaler.unscale(grads)
+    new = jax.tree.map(lambda p, g: p - LR * g.astype(p.dtype), params, grads)
+    return fmp.select_tree(finite, new, params), scaler.update(finite)
+
+
+def fmp_optax_step(opt):
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def jmp_step(params, ls, grads):
+    import jmp
+
+    grads = ls.unscale(grads)
+    finite = jmp.all_finite(grads)
+    ls = ls.adjust(finite)
+    new = jax.tree.map(lambda p, g: p - LR * g.astype(p.dtype), params, grads)
+    return jmp.select_tree(finite, new, params), ls
+
+
+def flax_step(params, ds, grads):
+    # flax.training.dynamic_scale.DynamicScale.value_and_grad, from the gradient on (flax 0.12)
+    scale, fin_steps = ds
+    grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / scale, grads)
+    finite = jnp.array(True)
+    for g in jax.tree.leaves(grads):
+        finite &= jnp.all(jax.lax.is_finite(g))
+    grow = fin_steps == 2000
+    fin_scale = jnp.where(grow & finite, jnp.minimum(scale * 2.0, jnp.finfo(jnp.float32).max), scale)
+    inf_scale = jnp.maximum(scale * 0.5, jnp.finfo(jnp.float32).tiny)
+    new_scale = jnp.where(finite, fin_scale, inf_scale)
+    new_fin_steps = jnp.where(grow | (~finite), 0, fin_steps + 1)
+    # the ImageNet example: apply the gradients, then keep the old params where not finite
+    new = jax.tree.map(lambda p, g: p - LR * g, params, grads)
+    new = jax.tree.map(functools.partial(jnp.where, finite), new, params)
+    return new, (new_scale, new_fin_steps)
+
+
+def apply_if_finite_step(opt):
+    def step(params, state, grads):
+        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / SCALE, grads)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def handwritten_step(params, scale, grads):
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    new = jax.tree.map(lambda p, g: jnp.where(finite, p - LR * g, p), params, grads)
+    return new, scale
+
+
+def unit_step(grads, c):
+    return jax.tree.map(lambda g: g * c.astype(g.dtype), grads)
+
+
+def torch_runner(shapes, grads_np, foreach_or_fused):
+    import torch
+
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes.values()]
+    for p, g in zip(params, grads_np, strict=True):
+        p.grad = torch.from_numpy(g).clone()
+    kw = {"fused": True} if foreach_or_fused == "fused" else {"foreach": True}
+    opt = torch.optim.SGD(params, lr=LR, **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler.scale(torch.ones(()))  # creates the scale tensor (torch does it on the first scale())
+
+    def run():
+        scaler.step(opt)
+        scaler.update()
+
+    return run
+
+
+# --- driver ---------------------------------------------------------------------------------------------------------
+def jit_runner(step, params, state, grads):
+    compiled = jax.jit(step, donate_argnums=(0, 1))
+    return Runner(compiled, params, state, grads), compiled
+
+
+def temp_bytes(step, params, state, grads):
+    try:
+        ma = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile().memory_analysis()
+    except TypeError:  # jmp 0.0.4's pytree __post_init__ cannot be rebuilt from .lower()'s placeholders
+        return None
+    return None if ma is None else ma.temp_size_in_bytes
+
+
+def column(size, grad_dtype, reps, with_torch):
+    shapes = SIZES[size]
+    n = sum(int(np.prod(s)) for s in shapes.values())
+    grads = make_tree(shapes, grad_dtype, 1)
+    rows = {}
+
+    c = jnp.float32(1.0)
+    unit_fn = jax.jit(unit_step, donate_argnums=0)
+    box = {"g": jax.tree.map(jnp.copy, grads)}
+
+    def unit():
+        box["g"] = unit_fn(box["g"], c)
+        jax.block_until_ready(box["g"])
+
+    unit_t = timeit(unit, reps)
+    box.clear()  # free the copy before the next method runs
+
+    def fresh_params():
+        return make_tree(shapes, jnp.float32, 0)
+
+    import jmp
+
+    sgd = optax.sgd(LR)
+    opt_fmp = fmp.optax.loss_scaled(sgd, fmp.GradScaler(init_scale=SCALE))
+    opt_aif = optax.apply_if_finite(sgd, max_consecutive_errors=10**9)
+    methods = {
+        "fmp (GradScaler + select_tree)": (fmp_step, lambda p: fmp.GradScaler(init_scale=SCALE)),
+        "fmp.optax.loss_scaled(sgd)": (fmp_optax_step(opt_fmp), opt_fmp.init),
+        "jmp DynamicLossScale": (jmp_step, lambda p: jmp.DynamicLossScale(jnp.float32(SCALE))),
+        "flax DynamicScale logic": (flax_step, lambda p: (jnp.float32(SCALE), jnp.int32(0))),
+        "optax.apply_if_finite(sgd)": (apply_if_finite_step(opt_aif), opt_aif.init),
+        "hand-written JAX": (handwritten_step, lambda p: jnp.float32(SCALE)),
+    }
+    temps = {}
+    for name, (step, init) in methods.items():
+        params = fresh_params()
+        state = init(params)
+        temps[name] = temp_bytes(step, params, state, grads)
+        runner, _ = jit_runner(step, params, state, grads)
+        rows[name] = timeit(runner, reps) / unit_t
+        del runner, params, state
+    if with_torch and grad_dtype == jnp.float32:
+        grads_np = [np.array(g) for g in grads.values()]
+        for kind in ("foreach", "fused"):
+            rows[f"torch GradScaler + SGD({kind})"] = timeit(torch_runner(shapes, grads_np, kind), reps) / unit_t
+        del grads_np
+    return n, unit_t, rows, temps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[25, 100])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    try:
+        import torch
+
+        torch_v = torch.__version__
+    except ImportError:
+        torch_v, args.no_torch = "absent", True
+    import flax
+    import jmp  # noqa: F401
+
+    print(
+        f"# machine: {platform.processor() or platform.machine()}, {jax.device_count()} JAX CPU device(s); "
+        f"python {platform.python_version()}, jax {jax.__version__}, optax {optax.__version__}, "
+        f"flax {flax.__version__}, torch {torch_v}"
+    )
+    cols, units, table, temps_all, sizes_n = [], {}, {}, {}, {}
+    for size in args.sizes:
+        for dt in (jnp.float32, jnp.bfloat16):
+            name = f"{size}M {jnp.dtype(dt).name} grads"
+            n, unit_t, rows, temps = column(size, dt, args.reps, not args.no_torch)
+            cols.append(name)
+            units[name], sizes_n[name], temps_all[name] = unit_t, n, temps
+            for k, v in rows.items():
+                table.setdefault(k, {})[name] = v
+    print("\nTime of the post-gradient step in bandwidth units (lower is better)\n")
+    print("| method | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    print("| unit (ms) | " + " | ".join(f"{units[c] * 1e3:.1f}" for c in cols) + " |")
+    print("| elements | " + " | ".join(f"{sizes_n[c] / 1e6:.1f}M" for c in cols) + " |")
+    for k, row in table.items():
+        print(f"| {k} | " + " | ".join(f"{row[c]:.2f}" if c in row else "n/a" for c in cols) + " |")
+    print("\nTemporary buffers of the compiled step (memory_analysis().temp_size_in_bytes; tree size for scale)\n")
+    print("| method | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    tree_mb = [sizes_n[c] * 4 / 2**20 for c in cols]
+    print("| float32 tree (MiB) | " + " | ".join(f"{t:.0f}" for t in tree_mb) + " |")
+    for k in temps_all[cols[0]]:
+        vals = [temps_all[c][k] for c in cols]
+        print(f"| {k} | " + " | ".join("?" if v is None else f"{v / 2**20:.2f} MiB" for v in vals) + " |")
+
+
+if __name__ == "__main__":
+    main()

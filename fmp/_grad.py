@@ -1,0 +1,127 @@
+"""Loss-scaled ``value_and_grad`` / ``grad``: scale the loss, differentiate, unscale, check, update the scale.
+
+The canonical train step (everything inside one ``jax.jit``; the scaler is carried like the params)::
+
+    @jax.jit
+    def train_step(params, scaler, x, y):
+        loss, grads, finite, scaler = fmp.value_and_grad(loss_fn, scaler)(params, x, y)
+        new_params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return fmp.select_tree(finite, new_params, params), scaler, loss
+
+XLA fuses the unscale, the finite-conditional select and the parameter update into one pass over the
+gradients; the finite flag costs one more read of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fmp._scaler import GradScaler, all_finite
+
+
+def _check_scaler(scaler: Any) -> None:
+    if not isinstance(scaler, GradScaler):
+        raise TypeError(f"scaler must be an fmp.GradScaler, got {type(scaler).__name__}")
+
+
+def _check_loss(loss: Any) -> None:
+    loss = jnp.asarray(loss)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(
+            f"fun must return a float scalar loss (or (loss, aux) with has_aux=True), got {loss.dtype}{list(loss.shape)}"
+        )
+
+
+def _scaled_grads(
+    fun: Callable[..., Any], scaler: GradScaler, argnums: int | Sequence[int], has_aux: bool, args: Any, kwargs: Any
+) -> tuple[Any, Any, Any, jax.Array, GradScaler]:
+    def scaled(*a: Any, **kw: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        out = fun(*a, **kw)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("with has_aux=True, fun must return a pair (loss, aux)")
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        _check_loss(loss)
+        return scaler.scale(loss), (loss, aux)
+
+    (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
+    if not scaler.enabled:
+        return loss, aux, grads, jnp.array(True), scaler
+    # torch checks the scaled gradients (before multiplying by 1/scale): same flag, and it lets XLA
+    # fuse the unscale into whatever consumes the gradients.
+    finite = all_finite(grads)
+    return loss, aux, scaler.unscale(grads), finite, scaler.update(finite)
+
+
+def value_and_grad(
+    fun: Callable[..., Any], scaler: GradScaler, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any, jax.Array, GradScaler]]:
+    """Like ``jax.value_and_grad``, with loss scaling: returns the loss, true gradients, a finite flag and the next scaler.
+
+    The returned function runs ``fun``, multiplies the loss by ``scaler``'s scale (in float32),
+    differentiates, checks the scaled gradients for inf/NaN, divides them by the same scale, and
+    updates the scaler with torch's rule. Call it inside ``jax.jit`` with the current scaler each step.
+
+    The finite flag covers the gradients only, not ``aux``: a NaN in a logged metric says nothing about
+    whether the update is safe, and must not shrink the scale (jaxamp's check does include aux).
+
+    Args:
+      fun: Returns a float scalar loss, or ``(loss, aux)`` with ``has_aux=True``.
+      scaler: The current :class:`fmp.GradScaler`.
+      argnums: Which positional argument(s) to differentiate, as in ``jax.grad``.
+      has_aux: Whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``f(*args, **kwargs) -> (value, grads, finite, new_scaler)``: ``value`` is ``loss``
+      or ``(loss, aux)`` (the unscaled loss, in ``fun``'s dtype), ``grads`` the unscaled gradients,
+      ``finite`` a bool scalar (False: skip this step) and ``new_scaler`` the scaler for the next
+      step. With a disabled scaler nothing is scaled and ``finite`` is always True.
+
+    Raises:
+      TypeError: ``scaler`` is not a GradScaler, or ``fun`` does not return a float scalar loss.
+
+    Examples:
+      >>> def loss_fn(w, x):
+      ...     return jnp.sum((w * x) ** 2)
+      >>> scaler = fmp.GradScaler(init_scale=1024.0)
+      >>> loss, grads, finite, scaler = fmp.value_and_grad(loss_fn, scaler)(jnp.ones(2), jnp.array([1.0, 2.0]))
+      >>> loss, grads, finite
+      (Array(5., dtype=float32), Array([2., 8.], dtype=float32), Array(True, dtype=bool))
+    """
+    _check_scaler(scaler)
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, jax.Array, GradScaler]:
+        loss, aux, grads, finite, new_scaler = _scaled_grads(fun, scaler, argnums, has_aux, args, kwargs)
+        value = (loss, aux) if has_aux else loss
+        return value, grads, finite, new_scaler
+
+    return wrapped
+
+
+def grad(
+    fun: Callable[..., Any], scaler: GradScaler, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., tuple[Any, jax.Array, GradScaler]]:
+    """Like ``jax.grad``, with loss scaling; see :func:`fmp.value_and_grad`.
+
+    Returns:
+      A function ``f(*args, **kwargs) -> (grads, finite, new_scaler)``, or
+      ``((grads, aux), finite, new_scaler)`` with ``has_aux=True``.
+
+    Examples:
+      >>> g, finite, scaler = fmp.grad(lambda w: jnp.sum(w**2), fmp.GradScaler())(jnp.array([1.0, -3.0]))
+      >>> g, finite
+      (Array([ 2., -6.], dtype=float32), Array(True, dtype=bool))
+    """
+    _check_scaler(scaler)
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, jax.Array, GradScaler]:
+        _, aux, grads, finite, new_scaler = _scaled_grads(fun, scaler, argnums, has_aux, args, kwargs)
+        return ((grads, aux) if has_aux else grads), finite, new_scaler
+
+    return wrapped

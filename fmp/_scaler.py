@@ -1,0 +1,489 @@
+"""GradScaler: the dynamic loss scale as an immutable pytree, and the tree helpers it needs.
+
+Every operation is pure and jit-safe: nothing here syncs to the host except
+:meth:`GradScaler.state_dict` and :func:`nonfinite_leaves`, which are meant for
+checkpoints and diagnosis, off the hot path. The update rule itself lives in
+:mod:`fmp._core._scaler_rule` and is shared with the torch facade.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fmp._core import _scaler_rule
+
+_UNSET: Any = object()  # sentinel: "build the arrays from init_scale"
+
+_MSG_FINITE = (
+    "finite must be a bool scalar (the flag returned by fmp.all_finite or fmp.value_and_grad), got {got}. "
+    "Pass finite=fmp.all_finite(grads)."
+)
+
+
+# --- float64 scalar arithmetic, as torch does it --------------------------------------------------------------------
+def _f64(fn):
+    """Runs ``fn`` with float64 enabled, so scalar products round like torch's ``double`` kernels.
+
+    torch computes ``float32(float64(scale) * factor)`` and ``float32(1 / float64(scale))``; a float32
+    product of a non-power-of-two factor (1.1, 0.3) gives different bits. The float64 work is on scalars only.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        with jax.enable_x64(True):
+            return fn(*args)
+
+    return wrapper
+
+
+@_f64
+def _mul_f64(scale: jax.Array, factor: float) -> jax.Array:
+    return (jnp.asarray(scale).astype(jnp.float64) * factor).astype(jnp.float32)
+
+
+@_f64
+def _reciprocal_f64(scale: jax.Array) -> jax.Array:
+    return (1.0 / jnp.asarray(scale).astype(jnp.float64)).astype(jnp.float32)
+
+
+class _JaxOps:
+    """The array namespace :func:`fmp._core._scaler_rule.update_scale` runs on."""
+
+    where = staticmethod(jnp.where)
+    isfinite = staticmethod(jnp.isfinite)
+    minimum = staticmethod(jnp.minimum)
+    maximum = staticmethod(jnp.maximum)
+    mul_f64 = staticmethod(_mul_f64)
+
+
+# --- tree helpers ---------------------------------------------------------------------------------------------------
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+_SMALL_LEAF = 1 << 14  # elements
+
+
+def _groupable(x: Any) -> bool:
+    """Small, non-empty, and not explicitly sharded (ravelling an explicitly sharded array is an error)."""
+    if not 0 < x.size <= _SMALL_LEAF:
+        return False
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    return spec is None or all(axis is None for axis in spec)
+
+
+def _leaf_finite(x: jax.Array) -> jax.Array:
+    # max|x| is NaN if any element is NaN (XLA's max propagates NaN) and inf if any is inf: one float
+    # max-reduction per leaf, which vectorises better than an and-reduction over a bool array.
+    if x.size == 0:
+        return jnp.array(True)
+    if x.dtype.itemsize < 4:
+        # XLA CPU reduces bfloat16/float16 through a float32 convert; CSE merges that convert with the
+        # one in `unscale`, and the shared convert is then materialised: a float32 copy of the whole
+        # gradient tree (5x slower on a 25M-element bf16 tree). The barrier keeps the two apart.
+        x = jax.lax.optimization_barrier(x)
+    return jnp.isfinite(jnp.max(jnp.abs(x)))
+
+
+def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
+    """Returns True if no floating leaf of ``tree`` holds an inf or NaN.
+
+    One reduction per leaf, combined on device into one bool scalar: no host sync, so it is cheap
+    inside ``jax.jit``. Integer and bool leaves are ignored (they cannot be inf/NaN).
+
+    Args:
+      tree: Any pytree of arrays (typically gradients).
+      axis_name: Inside ``shard_map``/``pmap``, the mapped axis (or tuple of axes) to all-reduce the
+        flag over, so every device agrees and all skip together. Leave it None under plain ``jit``
+        with sharded arrays: the reduction is already global there.
+
+    Returns:
+      A bool scalar array.
+
+    Examples:
+      >>> fmp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
+      Array(False, dtype=bool)
+      >>> fmp.all_finite([jnp.zeros(2), jnp.arange(3)])
+      Array(True, dtype=bool)
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    big = [x for x in leaves if not _groupable(x)]
+    small: dict[Any, list[jax.Array]] = {}
+    for x in leaves:
+        if _groupable(x):
+            small.setdefault(x.dtype, []).append(jnp.ravel(x))
+    # Small leaves (biases, norms) are checked together: one kernel per dtype instead of one per leaf,
+    # for the price of copying a few kilobytes.
+    groups = [xs[0] if len(xs) == 1 else jnp.concatenate(xs) for xs in small.values()]
+    flags = [_leaf_finite(x) for x in big + groups]
+    finite = functools.reduce(jnp.logical_and, flags, jnp.array(True))
+    if axis_name is not None:
+        finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
+    return finite
+
+
+def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
+    """Picks ``a`` where ``pred`` is True, else ``b``, leaf by leaf (``jnp.where`` on every leaf).
+
+    Args:
+      pred: Bool scalar.
+      a: Pytree picked where ``pred`` is True.
+      b: Pytree with the same structure, shapes and dtypes as ``a``.
+
+    Returns:
+      A pytree like ``a``. Skipping a step is ``select_tree(finite, new_params, params)``: the
+      kept leaves are bit-identical to ``b``.
+
+    Raises:
+      ValueError: ``a`` and ``b`` differ in structure.
+      TypeError: ``pred`` is not a bool scalar, or two leaves differ in dtype.
+
+    Examples:
+      >>> fmp.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+      {'w': Array([0., 0.], dtype=float32)}
+    """
+    pred = _check_flag(pred, "pred")
+    ta, tb = jax.tree.structure(a), jax.tree.structure(b)
+    if ta != tb:
+        raise ValueError(f"select_tree: a and b must have the same tree structure, got {ta} and {tb}")
+
+    def pick(x, y):
+        x, y = jnp.asarray(x), jnp.asarray(y)
+        if x.dtype != y.dtype:
+            raise TypeError(f"select_tree: leaves of a and b must have the same dtype, got {x.dtype} and {y.dtype}")
+        return jnp.where(pred, x, y)
+
+    return jax.tree.map(pick, a, b)
+
+
+def nonfinite_leaves(grads: Any) -> list[str]:
+    """Lists the tree paths of the leaves of ``grads`` that hold an inf or NaN (a host-side diagnostic).
+
+    Computes one flag per leaf on device and fetches them in one transfer; call it outside ``jit``,
+    for example after a step reported ``finite == False``.
+
+    Args:
+      grads: A pytree of arrays.
+
+    Returns:
+      The ``jax.tree_util.keystr`` of each offending leaf, in tree order.
+
+    Examples:
+      >>> fmp.nonfinite_leaves({"a": jnp.ones(2), "b": {"c": jnp.array([jnp.nan])}})
+      ["['b']['c']"]
+    """
+    paths, leaves = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if _is_float(leaf):
+            paths.append(jax.tree_util.keystr(path))
+            leaves.append(leaf)
+    flags = jax.device_get(jax.jit(lambda xs: [_leaf_finite(x) for x in xs])(leaves))
+    return [p for p, ok in zip(paths, flags, strict=True) if not bool(ok)]
+
+
+def _check_flag(flag: Any, name: str) -> jax.Array:
+    flag = jnp.asarray(flag)
+    if flag.dtype != jnp.bool_ or flag.shape != ():
+        raise TypeError(_MSG_FINITE.replace("finite", name, 1).format(got=f"{flag.dtype}{list(flag.shape)}"))
+    return flag
+
+
+def _scale_leaf(x: Any, s: jax.Array) -> Any:
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        if x.dtype == jnp.float64:
+            return x * s.astype(jnp.float64)
+        return x.astype(jnp.float32) * s
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return x.astype(jnp.float32) * s
+    raise TypeError(f"GradScaler.scale: tree leaves must be float or integer arrays, got {x.dtype}")
+
+
+# --- the scaler -----------------------------------------------------------------------------------------------------
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["loss_scale", "growth_tracker"],
+    meta_fields=[
+        "init_scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "enabled",
+        "min_scale",
+        "max_scale",
+        "dynamic",
+    ],
+)
+@dataclasses.dataclass(frozen=True, eq=False)
+class GradScaler:
+    """Loss scale for mixed-precision training, as an immutable pytree (torch.amp.GradScaler's rule).
+
+    The array leaves are ``loss_scale`` (float32 scalar; the method :meth:`scale` multiplies by it) and ``growth_tracker`` (int32 scalar, consecutive
+    finite steps); everything else is a static field, so stepping a scaler under ``jax.jit`` never
+    retraces. Methods return new scalers; nothing syncs to the host except :meth:`state_dict`.
+
+    The schedule is torch's, bit for bit: a non-finite step multiplies the scale by
+    ``backoff_factor`` and resets the tracker; the ``growth_interval``-th consecutive finite step
+    multiplies it by ``growth_factor`` (unless that overflows) and resets the tracker. Products are
+    rounded through float64 like torch's kernels. One known difference: XLA on CPU flushes float32
+    denormals to zero and torch does not, so scales below ~1.2e-38 differ, and above ~8.5e37 the
+    reciprocal used by :meth:`unscale` is a denormal that XLA CPU flushes to zero.
+
+    Three modes: dynamic (default); static (``dynamic=False`` or :meth:`GradScaler.static`: a fixed
+    scale that still reports non-finite steps so they can be skipped); disabled (``enabled=False``: a
+    transparent pass-through, ``scale``/``unscale`` return their input and ``update`` returns the same
+    scaler).
+
+    Args:
+      init_scale: Initial scale, a finite number > 0.
+      growth_factor: Multiplier after ``growth_interval`` consecutive finite steps, > 1.
+      backoff_factor: Multiplier after a non-finite step, in (0, 1).
+      growth_interval: Consecutive finite steps before growing, an int >= 1.
+      enabled: False gives a pass-through scaler.
+      min_scale: Optional lower clamp on the scale (off by default, like torch).
+      max_scale: Optional upper clamp on the scale (off by default, like torch).
+      dynamic: False keeps the scale fixed (a static scaler).
+      loss_scale: The float32 scale array; leave it unset to start from ``init_scale`` (it is set
+        when JAX rebuilds the pytree).
+      growth_tracker: The int32 count of consecutive finite steps; leave it unset to start from 0.
+
+    Raises:
+      ValueError: a hyper-parameter is out of range (the message names it).
+      TypeError: a hyper-parameter has the wrong type.
+
+    Examples:
+      >>> scaler = fmp.GradScaler(init_scale=8.0, growth_interval=2)
+      >>> scaler.scale(jnp.float16(3.0))
+      Array(24., dtype=float32)
+      >>> scaler = jax.jit(fmp.GradScaler.update)(scaler, jnp.array(False))
+      >>> scaler.loss_scale, scaler.growth_tracker
+      (Array(4., dtype=float32), Array(0, dtype=int32))
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+    min_scale: float | None = None
+    max_scale: float | None = None
+    dynamic: bool = True
+    loss_scale: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
+    growth_tracker: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
+
+    def __post_init__(self):
+        # JAX rebuilds the pytree with the leaves set (possibly to tracers or placeholders): touch
+        # nothing then. Only a user-built scaler (no leaves given) is validated and initialised.
+        if self.loss_scale is not _UNSET and self.growth_tracker is not _UNSET:
+            return
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"dynamic must be a bool, got {self.dynamic!r}")
+        _scaler_rule.check_hparams(
+            init_scale=self.init_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+        )
+        if self.loss_scale is _UNSET:
+            object.__setattr__(self, "loss_scale", jnp.asarray(self.init_scale, jnp.float32))
+        if self.growth_tracker is _UNSET:
+            object.__setattr__(self, "growth_tracker", jnp.asarray(0, jnp.int32))
+
+    @classmethod
+    def static(cls, scale: float) -> GradScaler:
+        """A fixed loss scale that still detects non-finite steps (so they can be skipped).
+
+        Examples:
+          >>> s = fmp.GradScaler.static(128.0)
+          >>> s.update(jnp.array(False)).loss_scale
+          Array(128., dtype=float32)
+        """
+        return cls(init_scale=scale, dynamic=False)
+
+    # -- hot path ----------------------------------------------------------------------------------------------------
+    def scale(self, tree: Any) -> Any:
+        """Multiplies every leaf of ``tree`` (a loss, or model outputs) by the scale, in float32.
+
+        float16/bfloat16/integer leaves come back as **float32** (so a float16 loss cannot overflow just
+        because it was scaled; torch keeps the input dtype here), float32 stays float32 and float64
+        stays float64. A disabled scaler returns ``tree`` itself.
+
+        Raises:
+          TypeError: a leaf is neither a float nor an integer array.
+
+        Examples:
+          >>> fmp.GradScaler(init_scale=2.0**16).scale(jnp.float16(2.0))
+          Array(131072., dtype=float32)
+        """
+        if not self.enabled:
+            return tree
+        return jax.tree.map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def unscale(self, grads: Any) -> Any:
+        """Multiplies every float leaf by the float32 reciprocal of the scale, computed as torch does.
+
+        The reciprocal is ``float32(1 / float64(scale))``. float32 leaves are multiplied in float32;
+        float16/bfloat16 leaves are multiplied in float32 and rounded back to their dtype (torch's
+        opmath). Non-float leaves pass through. A disabled scaler returns ``grads`` unchanged.
+
+        Examples:
+          >>> fmp.GradScaler(init_scale=4.0).unscale({"w": jnp.array([2.0, 8.0])})
+          {'w': Array([0.5, 2. ], dtype=float32)}
+        """
+        if not self.enabled:
+            return grads
+        inv = _reciprocal_f64(self.loss_scale)
+
+        def leaf(g):
+            if not _is_float(g):
+                return g
+            if g.dtype == jnp.float64:
+                return g * inv.astype(jnp.float64)
+            return (g.astype(jnp.float32) * inv).astype(g.dtype)
+
+        return jax.tree.map(leaf, grads)
+
+    def update(
+        self, finite: jax.typing.ArrayLike | None = None, new_scale: jax.typing.ArrayLike | None = None
+    ) -> GradScaler:
+        """Returns the scaler for the next step.
+
+        Args:
+          finite: Bool scalar, False if this step's gradients held an inf/NaN.
+          new_scale: If given, the new scale is set to it (as float32) and the tracker is left as it
+            is, like ``torch.amp.GradScaler.update(new_scale)``; ``finite`` is then ignored.
+
+        Returns:
+          A new scaler. A disabled scaler returns itself; a static one keeps its scale.
+
+        Raises:
+          TypeError: ``finite`` is not a bool scalar.
+        """
+        if not self.enabled:
+            return self
+        if new_scale is not None:
+            ns = jnp.asarray(new_scale)
+            if ns.shape != () or not jnp.issubdtype(ns.dtype, jnp.floating):
+                raise TypeError(f"new_scale must be a float scalar, got {ns.dtype}{list(ns.shape)}")
+            return dataclasses.replace(self, loss_scale=ns.astype(jnp.float32))
+        if finite is None:
+            raise TypeError("update() needs finite (a bool scalar, e.g. fmp.all_finite(grads)) or new_scale")
+        finite = _check_flag(finite, "finite")
+        if not self.dynamic:
+            return self
+        scale, tracker = _scaler_rule.update_scale(
+            self.loss_scale,
+            self.growth_tracker,
+            jnp.logical_not(finite),
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            ops=_JaxOps,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+        )
+        return dataclasses.replace(self, loss_scale=scale.astype(jnp.float32), growth_tracker=tracker.astype(jnp.int32))
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five-key checkpoint: ``scale``, ``growth_factor``, ``backoff_factor`` (float),
+        ``growth_interval``, ``_growth_tracker`` (int). Empty for a disabled scaler, like torch.
+
+        Reads the arrays to the host: call it outside ``jit``.
+
+        Examples:
+          >>> fmp.GradScaler(init_scale=1024.0).state_dict()["scale"]
+          1024.0
+        """
+        if not self.enabled:
+            return {}
+        return _scaler_rule.make_state_dict(
+            scale=float(jax.device_get(self.loss_scale)),
+            growth_tracker=int(jax.device_get(self.growth_tracker)),
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+        )
+
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, Any], **overrides: Any) -> GradScaler:
+        """Builds a scaler from a five-key dict written by fmp or by ``torch.amp.GradScaler.state_dict()``.
+
+        Args:
+          state_dict: The checkpoint.
+          **overrides: Constructor arguments to set or replace (``min_scale``, ``dynamic``, ...).
+
+        Raises:
+          ValueError: the dict is empty (saved from a disabled scaler) or lacks a key.
+
+        Examples:
+          >>> d = {"scale": 512.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+          ...      "growth_interval": 100, "_growth_tracker": 7}
+          >>> s = fmp.GradScaler.from_state_dict(d)
+          >>> s.loss_scale, s.growth_tracker, s.growth_interval
+          (Array(512., dtype=float32), Array(7, dtype=int32), 100)
+        """
+        values = _scaler_rule.parse_state_dict(state_dict)
+        kwargs: dict[str, Any] = {
+            "init_scale": values["scale"],
+            "growth_factor": values["growth_factor"],
+            "backoff_factor": values["backoff_factor"],
+            "growth_interval": values["growth_interval"],
+        }
+        kwargs.update(overrides)
+        scaler = cls(**kwargs)
+        tracker = np.int32(min(max(values["_growth_tracker"], 0), _scaler_rule.INT32_MAX))
+        return dataclasses.replace(scaler, growth_tracker=jnp.asarray(tracker, jnp.int32))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> GradScaler:
+        """Returns a new scaler holding ``state_dict``'s state (torch's name; nothing is mutated).
+
+        The hyper-parameters come from the dict, like torch; ``enabled``, ``min_scale``,
+        ``max_scale`` and ``dynamic`` are kept from ``self``. A disabled scaler returns itself.
+        """
+        if not self.enabled:
+            return self
+        return type(self).from_state_dict(
+            state_dict, min_scale=self.min_scale, max_scale=self.max_scale, dynamic=self.dynamic
+        )
+
+    @staticmethod
+    def register_flax_serialization() -> None:
+        """Registers GradScaler with ``flax.serialization`` (imports flax).
+
+        Done automatically when ``fmp`` is imported after flax; call it if you import flax later
+        and serialize a state holding a scaler with ``flax.serialization.to_bytes``.
+        """
+        from flax import serialization
+
+        serialization.register_serialization_state(
+            GradScaler, _flax_to_state_dict, _flax_from_state_dict, override=True
+        )
+
+
+def _flax_to_state_dict(s: GradScaler) -> dict[str, Any]:
+    return {"loss_scale": s.loss_scale, "growth_tracker": s.growth_tracker}
+
+
+def _flax_from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScaler:
+    return dataclasses.replace(
+        target,
+        loss_scale=jnp.asarray(state["loss_scale"], jnp.float32),
+        growth_tracker=jnp.asarray(state["growth_tracker"], jnp.int32),
+    )
+
+
+if "flax.serialization" in sys.modules:  # pragma: no cover - depends on import order
+    GradScaler.register_flax_serialization()

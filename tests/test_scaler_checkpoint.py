@@ -1,0 +1,133 @@
+"""Scaler checkpoints: torch's five-key state dict both ways, flax.serialization, orbax, pickle."""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fmp
+from tests.helpers import run_python
+
+HP = {"init_scale": 3.3, "growth_factor": 1.1, "backoff_factor": 0.3, "growth_interval": 2}
+FLAGS = np.random.default_rng(0).random(40) < 0.3  # True: this step overflowed
+
+
+def _torch_scaler(torch, **kw):
+    return torch.amp.GradScaler("cpu", **kw)
+
+
+def _torch_steps(torch, ts, flags):
+    """Runs real GradScaler iterations on CPU, overflowing where flags is True."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for f in flags:
+        opt.zero_grad()
+        ts.scale(p.sum()).backward()
+        if f:
+            p.grad[0] = float("inf")
+        ts.step(opt)
+        ts.update()
+
+
+def _fmp_steps(s, flags):
+    update = jax.jit(fmp.GradScaler.update)
+    for f in flags:
+        s = update(s, jnp.array(not f))
+    return s
+
+
+def test_state_dict_has_torchs_keys_and_types():
+    torch = pytest.importorskip("torch")
+    ts = _torch_scaler(torch, **HP)
+    _torch_steps(torch, ts, FLAGS[:5])
+    ours = _fmp_steps(fmp.GradScaler(**HP), FLAGS[:5]).state_dict()
+    theirs = ts.state_dict()
+    assert list(ours) == list(theirs)
+    assert {k: type(v) for k, v in ours.items()} == {k: type(v) for k, v in theirs.items()}
+    assert ours == theirs
+    assert fmp.GradScaler(enabled=False).state_dict() == {} == _torch_scaler(torch, enabled=False).state_dict()
+
+
+def test_torch_checkpoint_continues_the_same_trajectory_in_fmp_and_back():
+    torch = pytest.importorskip("torch")
+    ts = _torch_scaler(torch, **HP)
+    _torch_steps(torch, ts, FLAGS[:20])
+    s = fmp.GradScaler.from_state_dict(ts.state_dict())
+    assert (s.growth_factor, s.backoff_factor, s.growth_interval) == (1.1, 0.3, 2)
+    _torch_steps(torch, ts, FLAGS[20:])
+    s = _fmp_steps(s, FLAGS[20:])
+    assert s.state_dict() == ts.state_dict()
+    # and an fmp checkpoint loads into torch and continues there
+    ts2 = _torch_scaler(torch)
+    ts2.load_state_dict(s.state_dict())
+    _torch_steps(torch, ts2, FLAGS[:10])
+    assert _fmp_steps(s, FLAGS[:10]).state_dict() == ts2.state_dict()
+
+
+def test_load_state_dict_returns_a_new_scaler_and_keeps_local_options():
+    d = {"scale": 512.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 3, "_growth_tracker": 2}
+    base = fmp.GradScaler(min_scale=1.0)
+    s = base.load_state_dict(d)
+    assert s is not base and float(base.loss_scale) == 65536.0
+    assert (float(s.loss_scale), int(s.growth_tracker), s.growth_factor, s.min_scale) == (512.0, 2, 4.0, 1.0)
+    assert float(s.update(jnp.array(True)).loss_scale) == 2048.0  # tracker 2 -> 3 == interval: grow
+    disabled = fmp.GradScaler(enabled=False)
+    assert disabled.load_state_dict(d) is disabled
+    with pytest.raises(ValueError, match="disabled instance"):
+        fmp.GradScaler.from_state_dict({})
+    with pytest.raises(ValueError, match="lacks keys"):
+        fmp.GradScaler.from_state_dict({"scale": 1.0})
+    o = fmp.GradScaler.from_state_dict(d, dynamic=False, growth_interval=10)
+    assert not o.dynamic and o.growth_interval == 10
+
+
+def test_flax_serialization_round_trip():
+    serialization = pytest.importorskip("flax.serialization")
+    optax = pytest.importorskip("optax")
+    import fmp.optax
+
+    fmp.GradScaler.register_flax_serialization()
+    s = _fmp_steps(fmp.GradScaler(**HP), FLAGS[:7])
+    restored = serialization.from_bytes(fmp.GradScaler(**HP), serialization.to_bytes(s))
+    assert restored.state_dict() == s.state_dict() and restored.growth_interval == 2
+    # inside an optax state
+    opt = fmp.optax.loss_scaled(optax.sgd(0.1), fmp.GradScaler(**HP))
+    state = opt.init(jnp.zeros(2))
+    state = state._replace(scaler=s)
+    back = serialization.from_bytes(opt.init(jnp.zeros(2)), serialization.to_bytes(state))
+    assert fmp.optax.current_scaler(back).state_dict() == s.state_dict()
+
+
+def test_flax_registration_happens_on_import_when_flax_came_first():
+    out = run_python(
+        """
+        import flax.serialization as ser
+        import jax.numpy as jnp
+        import fmp
+        s = fmp.GradScaler(init_scale=8.0).update(jnp.array(False))
+        print(float(ser.from_bytes(fmp.GradScaler(), ser.to_bytes(s)).loss_scale))
+        """
+    )
+    assert out.strip() == "4.0"
+
+
+def test_orbax_round_trip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    s = _fmp_steps(fmp.GradScaler(**HP), FLAGS[:7])
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "scaler", s)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(tmp_path / "scaler", jax.eval_shape(lambda: fmp.GradScaler(**HP)))
+    assert isinstance(restored, fmp.GradScaler)
+    assert restored.state_dict() == s.state_dict()
+    assert restored.loss_scale.dtype == jnp.float32 and restored.growth_tracker.dtype == jnp.int32
+
+
+def test_pickle_round_trip():
+    s = _fmp_steps(fmp.GradScaler(**HP), FLAGS[:7])
+    back = pickle.loads(pickle.dumps(s))
+    assert back.state_dict() == s.state_dict() and back.backoff_factor == 0.3
