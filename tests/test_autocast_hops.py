@@ -350,3 +350,34 @@ def test_loop_carry_grads_and_explain_rows():
     rep = fmp.explain(_bf16_rnn)(X, W)
     assert len(rep.filter(op="dot_general").records) == 2
     assert len(rep.filter(op="tanh").records) == 1
+
+
+# ---------------------------------------------------------------- custom_vjp bwd rules run as written
+
+
+def _vjp_with_dot_bwd(autocast_bwd: bool):
+    @jax.custom_vjp
+    def f(x, w):
+        return x @ w
+
+    def bwd(res, g):
+        x, w = res
+        return g @ w.T, x.T @ g
+
+    rule = fmp.autocast(bwd) if autocast_bwd else bwd
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), rule)
+    return f
+
+
+def _bwd_dot_dtypes(f):
+    # under grad, the fwd rule's dot is rewritten; the two dots of the bwd rule follow it in the jaxpr
+    cj = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fmp.autocast(f)(x, w)), argnums=(0, 1)))(X, W)
+    return in_dtypes(cj, "dot_general")
+
+
+def test_custom_vjp_bwd_rule_runs_as_written_unless_autocast_by_the_user():
+    dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(False))
+    assert dots[0] == BF  # the fwd rule
+    assert dots[1:] == [("float32", "float32")] * 2  # the bwd rule, as written
+    dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(True))
+    assert dots == [BF] * 3  # the user wrapped the bwd rule in fmp.autocast
