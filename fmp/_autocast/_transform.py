@@ -429,7 +429,10 @@ def autocast_jaxpr(
     Every equation is decided by the rule table from the dtypes its inputs have
     in the rewritten program: ``lower_precision`` ops (matmuls, convolutions) run
     in the policy's compute dtype, ``float32`` ops in float32, ``promote`` ops in
-    their widest floating input, unlisted ops in the dtypes they are given.
+    their widest floating input, unlisted ops in the dtypes they are given. The
+    epilogue rule (``rules.jax_epilogue``, default ``add``/``sub``) runs a bias
+    add on a ``lower_precision`` op's result in the compute dtype. Loop carries
+    take the dtypes of a fixed point of the body rewrite.
     float64, integer and boolean values are never cast, an explicit
     ``convert_element_type`` keeps its target, and ``jit``, ``scan``,
     ``while``, ``cond``, ``checkpoint``, ``custom_jvp``, ``custom_vjp`` and
