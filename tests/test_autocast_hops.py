@@ -328,7 +328,7 @@ def test_loop_carry_stays_in_compute_dtype_when_the_body_keeps_it():
     cj = rewritten(_while_bf16, X, W)
     assert _body_carry_dtypes(cj, "while") == (["bfloat16", "int32"], ["bfloat16", "int32"])
     for fn in (_bf16_rnn, _while_bf16):
-        out = fmp.autocast(fn)(X, W)
+        out = jax.jit(fmp.autocast(fn))(X, W)
         assert out.dtype == jnp.float32  # a float32 output of fn is returned in float32
         np.testing.assert_allclose(out, fn(X, W), rtol=3e-2, atol=3e-2)
 
@@ -341,8 +341,12 @@ def test_loop_carry_widens_to_what_the_body_returns():
 
 def test_loop_carry_grads_and_explain_rows():
     loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)  # noqa: E731
-    g = jax.jit(jax.grad(loss(fmp.autocast(_bf16_rnn)), argnums=(0, 1)))(X, W)
-    r = jax.grad(loss(_bf16_rnn), argnums=(0, 1))(X, W)
+    g, r = jax.jit(
+        lambda x, w: (
+            jax.grad(loss(fmp.autocast(_bf16_rnn)), argnums=(0, 1))(x, w),
+            jax.grad(loss(_bf16_rnn), argnums=(0, 1))(x, w),
+        )
+    )(X, W)
     for a, b in zip(g, r, strict=True):
         assert a.dtype == jnp.float32
         np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
