@@ -385,3 +385,12 @@ def test_custom_vjp_bwd_rule_runs_as_written_unless_autocast_by_the_user():
     assert dots[1:] == [("float32", "float32")] * 2  # the bwd rule, as written
     dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(True))
     assert dots == [BF] * 3  # the user wrapped the bwd rule in fmp.autocast
+
+
+def test_loop_carry_falls_back_to_original_dtypes_if_no_fixed_point(monkeypatch):
+    from fmp._autocast import _hops
+
+    monkeypatch.setattr(_hops, "_MAX_ROUNDS", 1)  # the widening loop needs two rounds
+    assert _body_carry_dtypes(rewritten(_widening, X, W), "scan") == (["float32"], ["float32"])
+    cj = rewritten(_bf16_rnn, X, W)  # converges in one round
+    assert _body_carry_dtypes(cj, "scan") == (["bfloat16"], ["bfloat16"])

@@ -2,8 +2,8 @@
 
 Each handler takes ``(eqn, invals, ctx, scope)`` and returns the equation's
 outputs. Types that must agree are made to agree: a loop carry takes the
-dtype found by iterating the body rewrite to a fixed point, ``cond`` branches that disagree return the original
-dtype, and a custom-derivative call keeps its original input and output dtypes
+dtype found by iterating the body rewrite to a fixed point, ``cond``
+branches that disagree return the original dtype, and a custom-derivative call keeps its original input and output dtypes
 so that its (unchanged) derivative rules still type-check.
 """
 
@@ -90,6 +90,7 @@ def _loop_body(
         aval_of(x).dtype if hasattr(a, "dtype") and _is_castable(a.dtype) and _is_castable(aval_of(x).dtype) else None
         for x, a in zip(init, carry_avals, strict=True)
     ]
+    body: ClosedJaxpr | None = None
     for _ in range(_MAX_ROUNDS):
         if mark is not None and ctx.records is not None:
             del ctx.records[mark:]
@@ -101,12 +102,12 @@ def _loop_body(
             break
         dts = nxt
     else:  # not reached: the join is monotone; fall back to the original program's carry dtypes
-        avals = list(carry_avals)
+        avals, body = list(carry_avals), None
     want = [a.dtype if hasattr(a, "dtype") else None for a in avals]
-    if [getattr(o, "dtype", None) for o in body.out_avals[:nk]] != want:
+    if body is None or [getattr(o, "dtype", None) for o in body.out_avals[:nk]] != want:
         if mark is not None and ctx.records is not None:
             del ctx.records[mark:]
-        pinned = want + [None] * (len(body.out_avals) - nk)
+        pinned = want + [None] * (len(closed.out_avals) - nk)
         body = transform_closed(closed, before + avals + after, ctx, scope, pinned)
     return body, avals
 
