@@ -29,11 +29,12 @@ def mlp(p, x):
 
 
 def mlp_hand(p, x, dt=jnp.bfloat16):
-    """The same MLP with its matmuls cast to ``dt`` by hand (what autocast should produce)."""
-    h = jnp.dot(x.astype(dt), p["w1"].astype(dt)).astype(jnp.float32) + p["b1"]
+    """The same MLP with its Dense layers (matmul and bias add) cast to ``dt`` by hand (what autocast should
+    produce); the square is a float32 op."""
+    h = jnp.dot(x.astype(dt), p["w1"].astype(dt)) + p["b1"].astype(dt)
     h = jax.nn.relu(h)
-    y = jnp.dot(h.astype(dt), p["w2"].astype(dt)).astype(jnp.float32) + p["b2"]
-    return jnp.mean(y**2)
+    y = jnp.dot(h, p["w2"].astype(dt)) + p["b2"].astype(dt)
+    return jnp.mean(y.astype(jnp.float32) ** 2)
 
 
 X = jax.random.normal(jax.random.key(1), (8, 16))

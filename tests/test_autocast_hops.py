@@ -287,3 +287,110 @@ def test_custom_jvp_rule_is_autocast():
     f.defjvp(lambda p, t: (f(*p), t[0] @ p[1] + p[0] @ t[1]))
     cj = jax.make_jaxpr(lambda x, w: jax.jvp(fmp.autocast(f), (x, w), (x, w)))(X, W)
     assert in_dtypes(cj, "dot_general") and all(d == BF for d in in_dtypes(cj, "dot_general"))
+
+
+# ---------------------------------------------------------------- loop carries (fixed point)
+
+
+def _body_carry_dtypes(cj, prim):
+    (eqn,) = [e for e in cj.eqns if e.primitive.name == prim]
+    if prim == "scan":
+        body, nc, nk = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+        return [a.dtype.name for a in body.in_avals[nc : nc + nk]], [a.dtype.name for a in body.out_avals[:nk]]
+    body, nb = eqn.params["body_jaxpr"], eqn.params["body_nconsts"]
+    return [a.dtype.name for a in body.in_avals[nb:]], [a.dtype.name for a in body.out_avals]
+
+
+def _bf16_rnn(x, w):
+    # the carry enters in bfloat16 (a matmul's result) and the body keeps it bfloat16
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x @ w, None, length=3)[0]
+
+
+def _widening(x, w):
+    # the carry enters in bfloat16, but the body returns float32 (exp is a float32 op): it widens
+    return jax.lax.scan(lambda c, _: (c + jnp.exp(c), None), x @ w, None, length=2)[0]
+
+
+def _while_bf16(x, w):
+    def body(c):
+        h, i = c
+        return jnp.tanh(h @ w), i + 1
+
+    return jax.lax.while_loop(lambda c: (c[1] < 3) & (c[0][0, 0] < 10), body, (x @ w, 0))[0]
+
+
+def test_loop_carry_stays_in_compute_dtype_when_the_body_keeps_it():
+    cj = rewritten(_bf16_rnn, X, W)
+    assert _body_carry_dtypes(cj, "scan") == (["bfloat16"], ["bfloat16"])
+    (scan,) = [e for e in cj.eqns if e.primitive.name == "scan"]
+    body_prims = [e.primitive.name for e in scan.params["jaxpr"].eqns]
+    assert "convert_element_type" not in body_prims[1:]  # only the weight is cast (once, first)
+    cj = rewritten(_while_bf16, X, W)
+    assert _body_carry_dtypes(cj, "while") == (["bfloat16", "int32"], ["bfloat16", "int32"])
+    for fn in (_bf16_rnn, _while_bf16):
+        out = jax.jit(fmp.autocast(fn))(X, W)
+        assert out.dtype == jnp.float32  # a float32 output of fn is returned in float32
+        np.testing.assert_allclose(out, fn(X, W), rtol=3e-2, atol=3e-2)
+
+
+def test_loop_carry_widens_to_what_the_body_returns():
+    cj = rewritten(_widening, X, W)
+    assert _body_carry_dtypes(cj, "scan") == (["float32"], ["float32"])
+    np.testing.assert_allclose(fmp.autocast(_widening)(X, W), _widening(X, W), rtol=3e-2, atol=3e-2)
+
+
+def test_loop_carry_grads_and_explain_rows():
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)  # noqa: E731
+    g, r = jax.jit(
+        lambda x, w: (
+            jax.grad(loss(fmp.autocast(_bf16_rnn)), argnums=(0, 1))(x, w),
+            jax.grad(loss(_bf16_rnn), argnums=(0, 1))(x, w),
+        )
+    )(X, W)
+    for a, b in zip(g, r, strict=True):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2)
+    # the rounds of the fixed point leave one set of rows: one dot outside the loop, one inside
+    rep = fmp.explain(_bf16_rnn)(X, W)
+    assert len(rep.filter(op="dot_general").records) == 2
+    assert len(rep.filter(op="tanh").records) == 1
+
+
+# ---------------------------------------------------------------- custom_vjp bwd rules run as written
+
+
+def _vjp_with_dot_bwd(autocast_bwd: bool):
+    @jax.custom_vjp
+    def f(x, w):
+        return x @ w
+
+    def bwd(res, g):
+        x, w = res
+        return g @ w.T, x.T @ g
+
+    rule = fmp.autocast(bwd) if autocast_bwd else bwd
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), rule)
+    return f
+
+
+def _bwd_dot_dtypes(f):
+    # under grad, the fwd rule's dot is rewritten; the two dots of the bwd rule follow it in the jaxpr
+    cj = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(fmp.autocast(f)(x, w)), argnums=(0, 1)))(X, W)
+    return in_dtypes(cj, "dot_general")
+
+
+def test_custom_vjp_bwd_rule_runs_as_written_unless_autocast_by_the_user():
+    dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(False))
+    assert dots[0] == BF  # the fwd rule
+    assert dots[1:] == [("float32", "float32")] * 2  # the bwd rule, as written
+    dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(True))
+    assert dots == [BF] * 3  # the user wrapped the bwd rule in fmp.autocast
+
+
+def test_loop_carry_falls_back_to_original_dtypes_if_no_fixed_point(monkeypatch):
+    from fmp._autocast import _hops
+
+    monkeypatch.setattr(_hops, "_MAX_ROUNDS", 1)  # the widening loop needs two rounds
+    assert _body_carry_dtypes(rewritten(_widening, X, W), "scan") == (["float32"], ["float32"])
+    cj = rewritten(_bf16_rnn, X, W)  # converges in one round
+    assert _body_carry_dtypes(cj, "scan") == (["bfloat16"], ["bfloat16"])

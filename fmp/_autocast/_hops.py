@@ -1,9 +1,9 @@
 """One rewrite rule per higher-order primitive: the bodies are rewritten too.
 
 Each handler takes ``(eqn, invals, ctx, scope)`` and returns the equation's
-outputs. Types that must agree are pinned: a loop carry keeps the dtype the
-original program gave it, ``cond`` branches that disagree return the original
-dtype, and a custom-derivative call keeps its original input and output dtypes
+outputs. Types that must agree are made to agree: a loop carry takes the
+dtype found by iterating the body rewrite to a fixed point, ``cond``
+branches that disagree return the original dtype, and a custom-derivative call keeps its original input and output dtypes
 so that its (unchanged) derivative rules still type-check.
 """
 
@@ -12,11 +12,23 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._transform import Context, Handler, aval_of, bind, cast, eval_jaxpr, transform_closed
+from fmp._autocast._transform import (
+    Context,
+    Handler,
+    _is_castable,
+    aval_of,
+    bind,
+    cast,
+    dtype_name,
+    eval_jaxpr,
+    transform_closed,
+)
+from fmp._core import _dtypes as _dtypes_mod
 
 
 def _like(avals: list[Any], vals: list[Any]) -> list[Any]:
@@ -43,16 +55,71 @@ def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     return bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
+# A loop's carry dtypes are found by iteration; each carry can only widen (bfloat16/float16 -> float32), so
+# this converges in at most three rounds; the bound only guards against a bug (then carries are pinned).
+_MAX_ROUNDS = 8
+
+
+def _join(a: Any, b: Any) -> Any:
+    if a == b:
+        return a
+    return np.dtype(_dtypes_mod.widest([dtype_name(a), dtype_name(b)]))
+
+
+def _loop_body(
+    closed: ClosedJaxpr,
+    before: list[Any],
+    carry_avals: list[Any],
+    after: list[Any],
+    init: list[Any],
+    ctx: Context,
+    scope: str,
+) -> tuple[ClosedJaxpr, list[Any]]:
+    """Rewrites a loop body and finds its carry dtypes: ``(body, carry_avals)``.
+
+    The carry starts in the dtypes the rewritten program gives the initial
+    values; the body is rewritten for them, and a carry the body returns in
+    another dtype is widened to hold both, until the dtypes stop changing (a
+    fixed point). So a value that enters the loop in bfloat16 and that the body
+    keeps in bfloat16 stays bfloat16, while a float32 accumulator stays float32.
+    ``before`` / ``after`` are the avals of the body's other inputs (consts, xs).
+    """
+    mark = None if ctx.records is None else len(ctx.records)
+    nk = len(carry_avals)
+    dts = [
+        aval_of(x).dtype if hasattr(a, "dtype") and _is_castable(a.dtype) and _is_castable(aval_of(x).dtype) else None
+        for x, a in zip(init, carry_avals, strict=True)
+    ]
+    body: ClosedJaxpr | None = None
+    for _ in range(_MAX_ROUNDS):
+        if mark is not None and ctx.records is not None:
+            del ctx.records[mark:]
+        avals = [a if d is None else a.update(dtype=d) for a, d in zip(carry_avals, dts, strict=True)]
+        body = transform_closed(closed, before + avals + after, ctx, scope)
+        outs = body.out_avals[:nk]
+        nxt = [d if d is None else _join(d, o.dtype) for d, o in zip(dts, outs, strict=True)]
+        if nxt == dts:
+            break
+        dts = nxt
+    else:  # not reached: the join is monotone; fall back to the original program's carry dtypes
+        avals, body = list(carry_avals), None
+    want = [a.dtype if hasattr(a, "dtype") else None for a in avals]
+    if body is None or [getattr(o, "dtype", None) for o in body.out_avals[:nk]] != want:
+        if mark is not None and ctx.records is not None:
+            del ctx.records[mark:]
+        pinned = want + [None] * (len(closed.out_avals) - nk)
+        body = transform_closed(closed, before + avals + after, ctx, scope, pinned)
+    return body, avals
+
+
 def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     p = eqn.params
     closed: ClosedJaxpr = p["jaxpr"]
     nc, nk = p["num_consts"], p["num_carry"]
-    carry_avals = closed.in_avals[nc : nc + nk]
     consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+    before, after = _like(closed.in_avals[:nc], consts), _like(closed.in_avals[nc + nk :], xs)
+    new, carry_avals = _loop_body(closed, before, list(closed.in_avals[nc : nc + nk]), after, carry, ctx, scope)
     carry = _pin(carry, carry_avals, ctx)
-    in_avals = _like(closed.in_avals[:nc], consts) + list(carry_avals) + _like(closed.in_avals[nc + nk :], xs)
-    n_ys = len(closed.out_avals) - nk
-    new = transform_closed(closed, in_avals, ctx, scope, _dtypes(carry_avals) + [None] * n_ys)
     return bind(eqn, consts + carry + xs, dict(p, jaxpr=new))
 
 
@@ -62,12 +129,10 @@ def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
     body: ClosedJaxpr = p["body_jaxpr"]
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-    carry_avals = body.in_avals[nb:]
+    before = _like(body.in_avals[:nb], bconsts)
+    new_body, carry_avals = _loop_body(body, before, list(body.in_avals[nb:]), [], carry, ctx, scope)
     carry = _pin(carry, carry_avals, ctx)
-    new_cond = transform_closed(cond, _like(cond.in_avals[:nc], cconsts) + list(carry_avals), ctx, scope)
-    new_body = transform_closed(
-        body, _like(body.in_avals[:nb], bconsts) + list(carry_avals), ctx, scope, _dtypes(carry_avals)
-    )
+    new_cond = transform_closed(cond, _like(cond.in_avals[:nc], cconsts) + carry_avals, ctx, scope)
     return bind(eqn, cconsts + bconsts + carry, dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body))
 
 

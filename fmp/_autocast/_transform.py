@@ -87,6 +87,8 @@ class Context:
     records: list[OpRecord] | None = None
     # one cast cache per jaxpr being evaluated (values of one trace): (id(x), dtype) -> (x, cast x)
     memos: list[dict[tuple[int, str], tuple[Any, Any]]] = dataclasses.field(default_factory=list)
+    # one map per jaxpr being evaluated: original variable -> the equation that produced it (epilogue rule)
+    producers: list[dict[Any, JaxprEqn]] = dataclasses.field(default_factory=list)
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
@@ -200,6 +202,7 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Co
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
     ctx.memos.append({})  # a value cast for two uses is cast once
+    ctx.producers.append({v: e for e in jaxpr.eqns for v in e.outvars} if ctx.rules.jax_epilogue else {})
     try:
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
@@ -212,6 +215,7 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Co
         return [read(v) for v in jaxpr.outvars]
     finally:
         ctx.memos.pop()
+        ctx.producers.pop()
 
 
 def transform_closed(
@@ -342,6 +346,9 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
     target = decide(category, compute, strong)
+    rule = category.value
+    if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue and _is_epilogue(eqn, cur, ctx, compute):
+        target, rule = compute, "epilogue"
     new = list(invals)
     if target is not None:
         new = [cast(x, target, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
@@ -358,8 +365,47 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
     if target is not None and params.get("preferred_element_type") is not None:
         params["preferred_element_type"] = _preferred(eqn, target)
     outs = bind(eqn, new, params)
-    _record_eqn(eqn, ctx, scope, category.value, new, outs)
+    _record_eqn(eqn, ctx, scope, rule, new, outs)
     return outs
+
+
+# Ops an epilogue operand is traced back through: they move or re-view a value
+# without computing on it.
+_PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
+
+
+def _root(var: Any, producers: Mapping[Any, JaxprEqn]) -> tuple[Any, JaxprEqn | None]:
+    """Follows ``var`` back through pass-through ops; returns the root and the equation that made it."""
+    while not isinstance(var, Literal):
+        eqn = producers.get(var)
+        if eqn is None or eqn.primitive.name not in _PASS_THROUGH:
+            return var, eqn
+        var = eqn.invars[0]
+    return var, None
+
+
+def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> bool:
+    """The epilogue rule: ``lp_result + bias`` (either order) runs in the compute dtype.
+
+    True when the equation has two floating inputs, one of them is in the compute
+    dtype now and comes (through pass-through ops, in this jaxpr) from a
+    ``lower_precision`` equation, and the other comes from a value with fewer
+    elements than the result (a bias broadcast over the batch).
+    """
+    if len(eqn.invars) != 2 or not all(hasattr(a, "dtype") and _is_castable(a.dtype) for a in cur):
+        return False
+    producers = ctx.producers[-1] if ctx.producers else {}
+    size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+    for i in (0, 1):
+        if dtype_name(cur[i].dtype) != compute:
+            continue
+        _, made = _root(eqn.invars[i], producers)
+        if made is None or ctx.rules.category(made.primitive.name) is not Category.LOWER_PRECISION:
+            continue
+        other, _ = _root(eqn.invars[1 - i], producers)
+        if int(np.prod(other.aval.shape, dtype=np.int64)) < size:
+            return True
+    return False
 
 
 def _preferred(eqn: JaxprEqn, target: str) -> Any:
@@ -383,7 +429,10 @@ def autocast_jaxpr(
     Every equation is decided by the rule table from the dtypes its inputs have
     in the rewritten program: ``lower_precision`` ops (matmuls, convolutions) run
     in the policy's compute dtype, ``float32`` ops in float32, ``promote`` ops in
-    their widest floating input, unlisted ops in the dtypes they are given.
+    their widest floating input, unlisted ops in the dtypes they are given. The
+    epilogue rule (``rules.jax_epilogue``, default ``add``/``sub``) runs a bias
+    add on a ``lower_precision`` op's result in the compute dtype. Loop carries
+    take the dtypes of a fixed point of the body rewrite.
     float64, integer and boolean values are never cast, an explicit
     ``convert_element_type`` keeps its target, and ``jit``, ``scan``,
     ``while``, ``cond``, ``checkpoint``, ``custom_jvp``, ``custom_vjp`` and

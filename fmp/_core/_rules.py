@@ -84,6 +84,8 @@ class RuleSet:
     # torch CUDA float32 ops that pass dtype=float32 instead of casting: op -> variant
     torch_cuda_variants: Mapping[str, str] = dataclasses.field(default_factory=dict)
     banned_messages: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # JAX promote ops that take a bias into a lower_precision op's result (see ``derive(epilogue=...)``)
+    jax_epilogue: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for field in ("jax", "torch_cpu", "torch_cuda"):
@@ -91,6 +93,7 @@ class RuleSet:
             object.__setattr__(self, field, _freeze(table))
         object.__setattr__(self, "torch_cuda_variants", MappingProxyType(dict(self.torch_cuda_variants)))
         object.__setattr__(self, "banned_messages", MappingProxyType(dict(self.banned_messages)))
+        object.__setattr__(self, "jax_epilogue", frozenset(self.jax_epilogue))
 
     def _key(self) -> tuple:
         return (
@@ -99,6 +102,7 @@ class RuleSet:
             tuple(self.torch_cuda.items()),
             tuple(sorted(self.torch_cuda_variants.items())),
             tuple(sorted(self.banned_messages.items())),
+            tuple(sorted(self.jax_epilogue)),
         )
 
     def __hash__(self) -> int:
@@ -139,6 +143,7 @@ class RuleSet:
         framework: str = "jax",
         device: str | None = None,
         banned_messages: Mapping[str, str] | None = None,
+        epilogue: Iterable[str] | None = None,
         **moves: Iterable[str],
     ) -> RuleSet:
         """Returns a new rule set with ops moved between categories.
@@ -147,6 +152,11 @@ class RuleSet:
           framework: ``"jax"`` (primitive names) or ``"torch"`` (``"aten::..."`` names).
           device: For torch, ``"cpu"`` or ``"cuda"``; ``None`` moves the op in both.
           banned_messages: Optional messages for ops moved to ``banned``.
+          epilogue: Optional JAX primitive names that replace ``jax_epilogue``: the
+            promote ops (default ``add``, ``sub``) that run in the compute dtype
+            when they add a broadcast bias to a lower_precision op's result, as
+            torch's ``linear`` does. ``epilogue=[]`` turns the rule off. The
+            torch tables are not affected.
           **moves: ``category_name=[op, ...]``, e.g. ``float32=["dot_general"]`` or
             ``unlisted=["exp"]``. An op may appear in one category only.
 
@@ -161,8 +171,17 @@ class RuleSet:
           >>> r = fmp.DEFAULT_RULES.derive(unlisted=["exp"], lower_precision=["tanh"])
           >>> r.category("exp"), r.category("tanh")
           (<Category.UNLISTED: 'unlisted'>, <Category.LOWER_PRECISION: 'lower_precision'>)
+          >>> sorted(fmp.DEFAULT_RULES.jax_epilogue), fmp.DEFAULT_RULES.derive(epilogue=[]).jax_epilogue
+          (['add', 'sub'], frozenset())
         """
         framework = _check_framework(framework)
+        if isinstance(epilogue, str):
+            raise TypeError(f"derive(epilogue=...) expects a list of JAX primitive names, got the string {epilogue!r}")
+        if epilogue is not None:
+            epilogue = frozenset(epilogue)
+            bad = [n for n in epilogue if not isinstance(n, str)]
+            if bad:
+                raise TypeError(f"derive(epilogue=...) expects primitive names as str, got {bad[0]!r}")
         seen: dict[str, Category] = {}
         for cat_name, names in moves.items():
             cat = _check_category(cat_name)
@@ -199,6 +218,8 @@ class RuleSet:
             variants = {k: v for k, v in variants.items() if seen.get(k, Category.FLOAT32) is Category.FLOAT32}
         messages = dict(self.banned_messages)
         messages.update(banned_messages or {})
+        if epilogue is not None:
+            changes["jax_epilogue"] = epilogue
         return dataclasses.replace(self, torch_cuda_variants=variants, banned_messages=messages, **changes)  # type: ignore[arg-type]
 
 
@@ -280,4 +301,5 @@ DEFAULT_RULES = RuleSet(
         **dict.fromkeys(data.TORCH_CUDA_FLOAT32_APPEND_DTYPE, "append_dtype"),
     },
     banned_messages=dict(data.TORCH_CUDA_BANNED),
+    jax_epilogue=data.JAX_EPILOGUE,
 )

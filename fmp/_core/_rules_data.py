@@ -96,6 +96,17 @@ JAX_PROMOTE = (
 
 JAX_BANNED: dict[str, str] = {}
 
+# Epilogue ops: a promote op listed here runs in the compute dtype when one
+# operand is the compute-dtype result of a lower_precision op (through
+# reshape / broadcast_in_dim / convert_element_type / squeeze / transpose) and
+# the other is a broadcast of a smaller value (a bias). This is JAX's form of
+# torch's linear / addmm / conv taking the bias inside the low-precision op:
+# the activation after ``x @ w + b`` stays in the compute dtype.
+JAX_EPILOGUE = (
+    "add",
+    "sub",
+)
+
 # --- torch 2.13, CUDA autocast (ATen/autocast_mode.h lists + autocast_mode.cpp) ---
 
 TORCH_CUDA_LOWER_PRECISION = (
