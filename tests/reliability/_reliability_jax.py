@@ -24,6 +24,7 @@ Faults go in through the program's inputs, so one compiled step serves clean and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -241,6 +242,13 @@ class _Path:
         return float(fmp.optax.current_scaler(opt_state).loss_scale)
 
 
+@functools.cache
+def get_path(name: str) -> tuple[_Path, Any]:
+    """The path and its jitted, donating step, built once per process (tests share the compiled program)."""
+    path = _Path(name)
+    return path, jax.jit(path.step_fn(), donate_argnums=(0, 1))
+
+
 def run_path(name: str, steps: int, seed: int, p_fault: float = 0.1) -> Counts:
     """Runs ``steps`` micro-steps of ``name`` with seeded faults; returns the counts."""
     with jax.numpy_dtype_promotion("standard"):  # optax 0.2.8's adam mixes int32 and float32
@@ -248,15 +256,14 @@ def run_path(name: str, steps: int, seed: int, p_fault: float = 0.1) -> Counts:
 
 
 def _run(name: str, steps: int, seed: int, p_fault: float) -> Counts:
-    path = _Path(name)
+    path, step = get_path(name)
     k = path.k
     steps -= steps % k
     rng = np.random.default_rng(seed)
     x_all = rng.standard_normal((steps, 16, 8)).astype(np.float32)
     y_all = np.tanh(x_all @ rng.standard_normal((8, 4))).astype(np.float32)
-    step = path.step_fn()
     # one compiled program for both runs (each donates its own buffers): the reference is the same program
-    sut = ref = jax.jit(step, donate_argnums=(0, 1))
+    sut = ref = step
     counts = Counts(name)
     params, opt_state, scaler = path.init()
     r_params, r_opt, r_scaler = path.init()

@@ -48,7 +48,10 @@ class _Run:
             self.model = _model(half=True)
             inner = torch.optim.Adam(self.model.parameters(), lr=1e-2)
             self.opt = FP16_Optimizer(
-                inner, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**12, "scale_window": 8}, verbose=False
+                inner,
+                dynamic_loss_scale=True,
+                dynamic_loss_args={"init_scale": 2.0**12, "scale_window": 8},
+                verbose=False,
             )
             return
         self.model = _model()
