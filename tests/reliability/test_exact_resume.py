@@ -69,9 +69,7 @@ def _from_dict(d):
     ("name", "fmt"),
     [
         ("value_and_grad", "flax"),
-        ("value_and_grad", "orbax"),
         ("loss_scaled", "orbax"),
-        ("loss_scaled", "flax"),
         ("accumulate", "flax"),
         ("accumulate", "orbax"),
         ("master_weights", "orbax"),
