@@ -125,7 +125,9 @@ def test_masters_match_a_float32_run_of_the_same_gradients():
 
 def test_large_jump_misses_by_one_rounding_and_is_retargeted():
     # 1.0 -> 1e-5 in one step: the difference is not representable in bfloat16, so p + u cannot land
-    # on cast(master) (the documented exception); master_params is exact and the next step re-targets.
+    # on cast(master) (the documented exception); master_params is exact. A step that does not move the
+    # master (zero gradient, a skipped step) leaves the param alone, bit for bit; the next step that moves
+    # the master re-targets it.
     params = {"w": jnp.ones(1, jnp.bfloat16)}
     opt = fmp.optax.master_weights(optax.sgd(1.0))
     state = opt.init(params)
@@ -134,9 +136,13 @@ def test_large_jump_misses_by_one_rounding_and_is_retargeted():
     params = optax.apply_updates(params, updates)
     assert not bool(jnp.array_equal(params["w"], target))
     np.testing.assert_array_equal(fmp.optax.master_params(state, params)["w"], target)
+    missed = params["w"]
     updates, state = opt.update({"w": jnp.zeros(1, jnp.bfloat16)}, state, params)
     params = optax.apply_updates(params, updates)
-    np.testing.assert_array_equal(params["w"], target)
+    assert params["w"].tobytes() == missed.tobytes()
+    updates, state = opt.update({"w": jnp.full(1, 1e-6, jnp.bfloat16)}, state, params)
+    params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params["w"], state.master["w"].astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", LOW)

@@ -147,7 +147,7 @@ def test_inject_hyperparams_outside_changes_lr():
 
 
 @_optax_not_strict
-def test_multisteps_checks_at_effective_batch_granularity():
+def test_multisteps_checks_at_effective_batch_granularity_but_never_recovers():
     # Scaled gradients accumulate under a constant scale; the check, the skip and the scale update
     # happen once per effective batch (torch's accumulation recipe).
     opt = optax.MultiSteps(fmp.optax.loss_scaled(optax.sgd(1.0), fmp.GradScaler(init_scale=4.0)), every_k_schedule=2)
@@ -164,12 +164,25 @@ def test_multisteps_checks_at_effective_batch_granularity():
     u, state = update(jnp.full(2, 4.0, jnp.float32), state, p)  # ... skips the whole effective batch, one back-off
     assert scale(state) == 2.0 and float(jnp.abs(u).max()) == 0.0
     assert int(state.inner_opt_state.skipped_steps) == 1
-    # Known limitation (issue 10): MultiSteps resets its accumulator as `0 * acc`, and 0 * inf is NaN, so
-    # after a non-finite effective batch every later one is non-finite too. This asserts today's
-    # behaviour so that the accumulation work flips it deliberately.
-    u, state = update(jnp.full(2, 2.0, jnp.float32), state, p)
-    u, state = update(jnp.full(2, 2.0, jnp.float32), state, p)
-    assert not bool(fmp.all_finite(state.acc_grads)) and scale(state) == 1.0
+    # MultiSteps' failure (issue 10): it resets its accumulator as `0 * acc`, and 0 * inf is NaN, so after one
+    # non-finite effective batch every later one is non-finite too and the scale collapses.
+    for _ in range(3):
+        u, state = update(jnp.full(2, 2.0, jnp.float32), state, p)
+        u, state = update(jnp.full(2, 2.0, jnp.float32), state, p)
+    assert not bool(fmp.all_finite(state.acc_grads)) and scale(state) == 2.0 / 8
+    assert int(state.inner_opt_state.skipped_steps) == 4
+    # fmp.optax.accumulate, fed the same micro-batches, skips exactly the bad effective batch and recovers.
+    acc = fmp.optax.accumulate(fmp.optax.loss_scaled(optax.sgd(1.0), fmp.GradScaler(init_scale=4.0)), 2)
+    acc_update = jax.jit(acc.update)
+    st = acc.init(p)
+    grads = [[4.0, 4.0], [12.0, 12.0], [jnp.inf, 1.0], [4.0, 4.0]] + [[2.0, 2.0]] * 6
+    out = []
+    for g in grads:
+        u, st = acc_update(jnp.array(g, jnp.float32), st, p)
+        out.append((float(u[0]), scale(st)))
+    assert out[1] == (-2.0, 4.0) and out[3] == (-0.0, 2.0)  # one skip, one back-off
+    assert out[5] == out[7] == out[9] == (-2.0 / 2.0, 2.0)  # mean 2 at scale 2 -> 1: trains again
+    assert int(st.inner_state.skipped_steps) == 1 and bool(fmp.all_finite(st.acc))
 
 
 @_optax_not_strict

@@ -1,8 +1,10 @@
-"""optax glue for fmp: loss scaling and non-finite step skipping as optax transformations.
+"""optax glue for fmp: loss scaling, non-finite step skipping and accumulation as optax transformations.
 
 Importing this module imports optax.
 """
 
+from fmp.optax._accumulate import AccumulateState as AccumulateState
+from fmp.optax._accumulate import accumulate as accumulate
 from fmp.optax._loss_scaled import LossScaledState as LossScaledState
 from fmp.optax._loss_scaled import SkipNonfiniteState as SkipNonfiniteState
 from fmp.optax._loss_scaled import current_scaler as current_scaler
@@ -13,9 +15,11 @@ from fmp.optax._master_weights import master_params as master_params
 from fmp.optax._master_weights import master_weights as master_weights
 
 __all__ = [
+    "AccumulateState",
     "LossScaledState",
     "MasterWeightsState",
     "SkipNonfiniteState",
+    "accumulate",
     "current_scaler",
     "loss_scaled",
     "master_params",

@@ -12,7 +12,7 @@ from fmp._scaler import GradScaler, all_finite, select_tree
 
 _MSG_NO_SCALER = (
     "no fmp.optax.loss_scaled state found in opt_state. Build the optimizer with "
-    "fmp.optax.loss_scaled(inner) (it may be nested in optax.chain, MultiSteps or inject_hyperparams) "
+    "fmp.optax.loss_scaled(inner) (it may be nested in optax.chain, fmp.optax.accumulate, MultiSteps or inject_hyperparams) "
     "and pass the state returned by its init/update."
 )
 
@@ -101,9 +101,10 @@ def loss_scaled(
 
     Composition: put clipping and everything that keeps state *inside* ``inner``
     (``loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))``), so it sees
-    unscaled gradients and is skipped with the step. ``optax.MultiSteps(loss_scaled(inner), k)``
-    accumulates scaled gradients with a constant scale and checks, skips and updates the scale once
-    per effective batch, like torch's accumulation recipe. ``inject_hyperparams`` works outside or
+    unscaled gradients and is skipped with the step. To accumulate gradients use
+    ``fmp.optax.accumulate(loss_scaled(inner), k)``: it checks, skips and updates the scale once per
+    effective batch, like torch's accumulation recipe, and recovers after a non-finite micro-batch
+    (``optax.MultiSteps`` does not: its ``0 * acc`` reset keeps a NaN forever). ``inject_hyperparams`` works outside or
     inside it; :func:`current_scaler` finds the scaler through all of them.
 
     Args:

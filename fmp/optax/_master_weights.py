@@ -48,6 +48,19 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
+def _param_update(m: Any, new_m: Any, u: Any, p: Any) -> Any:
+    """``cast(new_m) - p`` where the master moved, ``-0.0`` (the exact identity of ``p + u``) where it did not.
+
+    A param can sit one rounding away from ``cast(master)`` after a large step; re-targeting it on a step that
+    did not move its master (a skipped step, an accumulation micro-step) would change params on a step that must
+    leave them bit for bit. It is re-targeted by the next step that moves its master instead.
+    """
+    if m is None:
+        return u
+    p = jnp.asarray(p)
+    return jnp.where(new_m == m, jnp.full(p.shape, -0.0, p.dtype), new_m.astype(p.dtype) - p)
+
+
 def master_weights(
     inner: optax.GradientTransformation, *, master_dtype: jax.typing.DTypeLike = jnp.float32
 ) -> optax.GradientTransformationExtraArgs:
@@ -64,7 +77,8 @@ def master_weights(
     the new value is within a factor of two of the old one with the same sign (Sterbenz's lemma), which covers
     every ordinary step. A leaf that jumps further (e.g. crossing zero) can land one rounding of the difference
     away; the master is unaffected and the next update re-targets ``cast(master)``, so the error does not
-    accumulate. :func:`master_params` gives ``cast(master)`` exactly, whatever happened.
+    accumulate. A step that leaves a master element unchanged (a skipped step) leaves its param unchanged too,
+    bit for bit. :func:`master_params` gives ``cast(master)`` exactly, whatever happened.
 
     Composes with ``optax.chain`` and with other wrappers. With loss scaling, put ``master_weights``
     outermost, ``master_weights(loss_scaled(inner))``: the scaled float16 gradients are cast to float32
@@ -140,13 +154,7 @@ def master_weights(
             inner_updates,
             is_leaf=_is_none,
         )
-        out = jax.tree.map(
-            lambda m, u, p: u if m is None else m.astype(p.dtype) - p,
-            new_master,
-            inner_updates,
-            params,
-            is_leaf=_is_none,
-        )
+        out = jax.tree.map(_param_update, state.master, new_master, inner_updates, params, is_leaf=_is_none)
         return out, MasterWeightsState(master=new_master, inner_state=inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
