@@ -55,7 +55,8 @@ def _scaled_grads(
         return loss, aux, grads, jnp.array(True), scaler
     # torch checks the scaled gradients (before multiplying by 1/scale): same flag, and it lets XLA
     # fuse the unscale into whatever consumes the gradients.
-    finite = all_finite(grads)
+    # a scale of 0 (or NaN) gives finite scaled gradients whose unscale is NaN: never take that step
+    finite = all_finite(grads) & scaler._usable()
     return loss, aux, scaler.unscale(grads), finite, scaler.update(finite)
 
 

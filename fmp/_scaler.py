@@ -210,7 +210,7 @@ def _scale_leaf(x: Any, s: jax.Array) -> Any:
 # --- the scaler -----------------------------------------------------------------------------------------------------
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["loss_scale", "growth_tracker"],
+    data_fields=["loss_scale", "growth_tracker", "consecutive_overflows"],
     meta_fields=[
         "init_scale",
         "growth_factor",
@@ -220,6 +220,7 @@ def _scale_leaf(x: Any, s: jax.Array) -> Any:
         "min_scale",
         "max_scale",
         "dynamic",
+        "max_consecutive_overflows",
     ],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -251,9 +252,14 @@ class GradScaler:
       min_scale: Optional lower clamp on the scale (off by default, like torch).
       max_scale: Optional upper clamp on the scale (off by default, like torch).
       dynamic: False keeps the scale fixed (a static scaler).
+      max_consecutive_overflows: How many non-finite steps in a row raise :attr:`overflow_alarm`
+        (an int >= 1, default 32). Only a report: the schedule is unchanged.
       loss_scale: The float32 scale array; leave it unset to start from ``init_scale`` (it is set
         when JAX rebuilds the pytree).
       growth_tracker: The int32 count of consecutive finite steps; leave it unset to start from 0.
+      consecutive_overflows: The int32 count of non-finite steps in a row (saturating); leave it
+        unset to start from 0. Not part of :meth:`state_dict` (torch's five keys): a scaler loaded
+        from one starts the count at 0.
 
     Raises:
       ValueError: a hyper-parameter is out of range (the message names it).
@@ -276,13 +282,16 @@ class GradScaler:
     min_scale: float | None = None
     max_scale: float | None = None
     dynamic: bool = True
+    max_consecutive_overflows: int = _scaler_rule.DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
     loss_scale: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
     growth_tracker: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
+    consecutive_overflows: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
 
     def __post_init__(self):
         # JAX rebuilds the pytree with the leaves set (possibly to tracers or placeholders): touch
         # nothing then. Only a user-built scaler (no leaves given) is validated and initialised.
-        if self.loss_scale is not _UNSET and self.growth_tracker is not _UNSET:
+        leaves = (self.loss_scale, self.growth_tracker, self.consecutive_overflows)
+        if all(x is not _UNSET for x in leaves):
             return
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
@@ -296,10 +305,13 @@ class GradScaler:
             min_scale=self.min_scale,
             max_scale=self.max_scale,
         )
+        _scaler_rule.check_limit(self.max_consecutive_overflows, "max_consecutive_overflows")
         if self.loss_scale is _UNSET:
             object.__setattr__(self, "loss_scale", jnp.asarray(self.init_scale, jnp.float32))
         if self.growth_tracker is _UNSET:
             object.__setattr__(self, "growth_tracker", jnp.asarray(0, jnp.int32))
+        if self.consecutive_overflows is _UNSET:
+            object.__setattr__(self, "consecutive_overflows", jnp.asarray(0, jnp.int32))
 
     @classmethod
     def static(cls, scale: float) -> GradScaler:
@@ -360,29 +372,54 @@ class GradScaler:
     ) -> GradScaler:
         """Returns the scaler for the next step.
 
+        Whatever ``finite`` says, the scale stays a finite float32 > 0 if it was one: a backoff is a
+        multiplication by a factor in (0, 1) and a growth that would overflow is not taken. What it
+        can do after a very long run of non-finite steps is shrink towards 0 (float32 underflow);
+        ``consecutive_overflows`` counts that run and :attr:`overflow_alarm` reports it, and
+        ``min_scale`` bounds it.
+
         Args:
           finite: Bool scalar, False if this step's gradients held an inf/NaN.
-          new_scale: If given, the new scale is set to it (as float32) and the tracker is left as it
-            is, like ``torch.amp.GradScaler.update(new_scale)``; ``finite`` is then ignored.
+          new_scale: If given, the new scale is set to it (as float32) and the tracker and the
+            overflow count are left as they are, like ``torch.amp.GradScaler.update(new_scale)``;
+            ``finite`` is then ignored. A Python number must be finite and > 0 (torch accepts
+            anything). An array is only checked for shape and dtype: its value may be a tracer, so
+            a non-finite or non-positive array is stored as given and :func:`fmp.check_scaler_health`
+            reports it; ``value_and_grad`` and ``loss_scaled`` then skip every step.
 
         Returns:
-          A new scaler. A disabled scaler returns itself; a static one keeps its scale.
+          A new scaler. A disabled scaler returns itself; a static one keeps its scale (and still
+          counts ``consecutive_overflows``).
 
         Raises:
-          TypeError: ``finite`` is not a bool scalar.
+          TypeError: ``finite`` is not a bool scalar, or ``new_scale`` is not a float scalar.
+          ValueError: ``new_scale`` is a Python number that is not finite and > 0.
+
+        Examples:
+          >>> s = fmp.GradScaler(init_scale=8.0, max_consecutive_overflows=2)
+          >>> s = s.update(jnp.array(False)).update(jnp.array(False))
+          >>> s.loss_scale, s.consecutive_overflows, s.overflow_alarm
+          (Array(2., dtype=float32), Array(2, dtype=int32), Array(True, dtype=bool))
+          >>> s.update(new_scale=0.0)
+          Traceback (most recent call last):
+          ...
+          ValueError: new_scale must be a finite number > 0, got 0.0
         """
         if not self.enabled:
             return self
         if new_scale is not None:
-            ns = jnp.asarray(new_scale)
+            _scaler_rule.check_new_scale(new_scale)
+            ns = jnp.asarray(float(new_scale) if isinstance(new_scale, int) else new_scale)
             if ns.shape != () or not jnp.issubdtype(ns.dtype, jnp.floating):
                 raise TypeError(f"new_scale must be a float scalar, got {ns.dtype}{list(ns.shape)}")
             return dataclasses.replace(self, loss_scale=ns.astype(jnp.float32))
         if finite is None:
             raise TypeError("update() needs finite (a bool scalar, e.g. fmp.all_finite(grads)) or new_scale")
         finite = _check_flag(finite, "finite")
+        run = self.consecutive_overflows
+        run = jnp.where(finite, jnp.zeros_like(run), jnp.minimum(run, _scaler_rule.INT32_MAX - 1) + 1)
         if not self.dynamic:
-            return self
+            return dataclasses.replace(self, consecutive_overflows=run.astype(jnp.int32))
         scale, tracker = _scaler_rule.update_scale(
             self.loss_scale,
             self.growth_tracker,
@@ -394,7 +431,34 @@ class GradScaler:
             min_scale=self.min_scale,
             max_scale=self.max_scale,
         )
-        return dataclasses.replace(self, loss_scale=scale.astype(jnp.float32), growth_tracker=tracker.astype(jnp.int32))
+        return dataclasses.replace(
+            self,
+            loss_scale=scale.astype(jnp.float32),
+            growth_tracker=tracker.astype(jnp.int32),
+            consecutive_overflows=run.astype(jnp.int32),
+        )
+
+    @property
+    def overflow_alarm(self) -> jax.Array:
+        """Bool scalar: ``consecutive_overflows >= max_consecutive_overflows`` (readable inside ``jit``).
+
+        True means a run of non-finite steps too long to be ordinary float16 overflow; every one of
+        them was skipped and the scale shrank each time. Outside ``jit``,
+        :func:`fmp.check_scaler_health` turns it into a warning.
+
+        Examples:
+          >>> fmp.GradScaler().overflow_alarm
+          Array(False, dtype=bool)
+        """
+        return self.consecutive_overflows >= self.max_consecutive_overflows
+
+    def _usable(self) -> jax.Array:
+        """Bool scalar: the scale has a finite float32 reciprocal (it is finite, > 0, not a denormal).
+
+        ``value_and_grad`` and ``loss_scaled`` and it into the finite flag: with a scale of 0 the scaled
+        gradients are finite zeros but unscaling them gives 0 * inf = NaN.
+        """
+        return jnp.isfinite(_reciprocal_f64(self.loss_scale))
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -451,12 +515,16 @@ class GradScaler:
         """Returns a new scaler holding ``state_dict``'s state (torch's name; nothing is mutated).
 
         The hyper-parameters come from the dict, like torch; ``enabled``, ``min_scale``,
-        ``max_scale`` and ``dynamic`` are kept from ``self``. A disabled scaler returns itself.
+        ``max_scale``, ``dynamic`` and ``max_consecutive_overflows`` are kept from ``self``. A disabled scaler returns itself.
         """
         if not self.enabled:
             return self
         return type(self).from_state_dict(
-            state_dict, min_scale=self.min_scale, max_scale=self.max_scale, dynamic=self.dynamic
+            state_dict,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            dynamic=self.dynamic,
+            max_consecutive_overflows=self.max_consecutive_overflows,
         )
 
     @staticmethod
@@ -474,7 +542,11 @@ class GradScaler:
 
 
 def _flax_to_state_dict(s: GradScaler) -> dict[str, Any]:
-    return {"loss_scale": s.loss_scale, "growth_tracker": s.growth_tracker}
+    return {
+        "loss_scale": s.loss_scale,
+        "growth_tracker": s.growth_tracker,
+        "consecutive_overflows": s.consecutive_overflows,
+    }
 
 
 def _flax_from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScaler:
@@ -482,6 +554,8 @@ def _flax_from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScal
         target,
         loss_scale=jnp.asarray(state["loss_scale"], jnp.float32),
         growth_tracker=jnp.asarray(state["growth_tracker"], jnp.int32),
+        # absent from checkpoints written before the field existed
+        consecutive_overflows=jnp.asarray(state.get("consecutive_overflows", 0), jnp.int32),
     )
 
 

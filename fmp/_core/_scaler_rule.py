@@ -30,6 +30,53 @@ INT32_MAX = 2**31 - 1
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
+# Scale health: a run this long of non-finite steps in a row is reported (a flag in the JAX state, a
+# warning from the torch facade and from fmp.check_scaler_health). With backoff_factor=0.5 it has
+# divided the scale by 2**32 by then: no overflow of a healthy float16 run needs that.
+DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
+
+
+class ScaleHealthWarning(UserWarning):
+    """A loss scaler has seen a long run of non-finite steps, or its scale is no longer a finite number > 0."""
+
+
+_MSG_HEALTH = (
+    "{where}: {count} non-finite steps in a row (limit {limit}); every one was skipped and the loss scale is "
+    "now {scale!r}. This is not ordinary float16 overflow: something produces inf/NaN whatever the scale "
+    "(a NaN in the data, a log of 0, a division by 0, a diverged run). {hint}"
+)
+_MSG_BAD_SCALE = (
+    "{where}: the loss scale is {scale!r}; it must be a finite number > 0 for the gradients to be unscaled. "
+    "Set min_scale (or load a good checkpoint). {hint}"
+)
+HINT_LEAVES = "Non-finite gradient leaves: {leaves}."
+HINT_NO_LEAVES = "Pass the gradients to fmp.check_scaler_health(state, grads) (or call fmp.nonfinite_leaves(grads)) to see where it starts."
+
+
+def health_message(*, where: str, count: int, limit: int, scale: float, hint: str) -> str | None:
+    """The text of a :class:`ScaleHealthWarning`, or None if ``count`` and ``scale`` are healthy."""
+    if not (math.isfinite(scale) and scale > 0):
+        return _MSG_BAD_SCALE.format(where=where, scale=scale, hint=hint)
+    if count >= limit:
+        return _MSG_HEALTH.format(where=where, count=count, limit=limit, scale=scale, hint=hint)
+    return None
+
+
+def check_limit(value: Any, name: str) -> None:
+    """Validates a consecutive-overflow limit (an int >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r} of type {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_new_scale(value: Any) -> None:
+    """Rejects a Python-number ``new_scale`` that is not finite and > 0 (ValueError naming it)."""
+    if isinstance(value, bool):
+        raise TypeError(f"new_scale must be a float scalar, got {value!r}")
+    if isinstance(value, int | float) and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"new_scale must be a finite number > 0, got {value!r}")
+
 
 class ArrayOps(Protocol):
     """What the update rule needs from an array library (JAX or torch)."""

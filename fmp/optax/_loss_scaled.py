@@ -150,7 +150,8 @@ def loss_scaled(
         if not sc.enabled:
             new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
             return new_updates, state._replace(inner_state=new_inner)
-        finite = all_finite(updates, axis_name)
+        # a scale of 0 (or NaN) gives finite scaled gradients whose unscale is NaN: never take that step
+        finite = all_finite(updates, axis_name) & sc._usable()
         new_updates, new_inner = _guarded_update(
             inner, updates, state.inner_state, params, finite, extra_args, prepare=sc.unscale
         )
