@@ -23,9 +23,16 @@ import jax.numpy as jnp
 from fmp._scaler import GradScaler, all_finite
 
 
-def _check_scaler(scaler: Any) -> None:
+def _check_args(name: str, fun: Any, scaler: Any, argnums: Any, has_aux: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"{name}(fun) expects a callable (the loss function), got {type(fun).__name__}")
     if not isinstance(scaler, GradScaler):
         raise TypeError(f"scaler must be an fmp.GradScaler, got {type(scaler).__name__}")
+    nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
+    if not nums or any(isinstance(n, bool) or not isinstance(n, int) for n in nums):
+        raise TypeError(f"argnums must be an int or a non-empty sequence of ints, got {argnums!r}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
 
 
 def _check_loss(loss: Any) -> None:
@@ -85,7 +92,9 @@ def value_and_grad(
       step. With a disabled scaler nothing is scaled and ``finite`` is always True.
 
     Raises:
-      TypeError: ``scaler`` is not a GradScaler, or ``fun`` does not return a float scalar loss.
+      TypeError: ``fun`` is not callable, ``scaler`` is not a GradScaler, ``argnums`` is not an int
+        or a sequence of ints, ``has_aux`` is not a bool, or ``fun`` does not return a float scalar
+        loss. Integer or bool arguments named in ``argnums`` get ``jax.grad``'s own TypeError.
 
     Examples:
       >>> def loss_fn(w, x):
@@ -95,7 +104,7 @@ def value_and_grad(
       >>> loss, grads, finite
       (Array(5., dtype=float32), Array([2., 8.], dtype=float32), Array(True, dtype=bool))
     """
-    _check_scaler(scaler)
+    _check_args("value_and_grad", fun, scaler, argnums, has_aux)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, jax.Array, GradScaler]:
         loss, aux, grads, finite, new_scaler = _scaled_grads(fun, scaler, argnums, has_aux, args, kwargs)
@@ -119,7 +128,7 @@ def grad(
       >>> g, finite
       (Array([ 2., -6.], dtype=float32), Array(True, dtype=bool))
     """
-    _check_scaler(scaler)
+    _check_args("grad", fun, scaler, argnums, has_aux)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, jax.Array, GradScaler]:
         _, aux, grads, finite, new_scaler = _scaled_grads(fun, scaler, argnums, has_aux, args, kwargs)

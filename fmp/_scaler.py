@@ -69,6 +69,30 @@ def _is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _checked_leaves(tree: Any, where: str) -> list[tuple[Any, jax.Array]]:
+    """``(path, leaf)`` for every leaf that can hold an inf/NaN: float and complex arrays, Python floats.
+
+    Integer and bool leaves (arrays or Python numbers) cannot, and are left out.
+
+    Raises:
+      TypeError: a leaf is neither an array nor a number (a string, an object).
+    """
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, float | complex):
+            x = jnp.asarray(x)
+        elif not hasattr(x, "dtype"):
+            if isinstance(x, int):  # bool included
+                continue
+            raise TypeError(
+                f"{where}: every leaf must be an array or a number, got {type(x).__name__} at "
+                f"{jax.tree_util.keystr(path) or 'the root'}"
+            )
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            out.append((path, x))
+    return out
+
+
 _SMALL_LEAF = 1 << 14  # elements
 
 
@@ -97,7 +121,8 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Returns True if no floating leaf of ``tree`` holds an inf or NaN.
 
     One reduction per leaf, combined on device into one bool scalar: no host sync, so it is cheap
-    inside ``jax.jit``. Integer and bool leaves are ignored (they cannot be inf/NaN).
+    inside ``jax.jit``. Float and complex leaves are checked (Python floats too); integer and bool
+    leaves are ignored (they cannot be inf/NaN). An empty tree (``None``, ``{}``) is finite.
 
     Args:
       tree: Any pytree of arrays (typically gradients).
@@ -108,13 +133,16 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     Returns:
       A bool scalar array.
 
+    Raises:
+      TypeError: a leaf is neither an array nor a number.
+
     Examples:
       >>> fmp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
       Array(False, dtype=bool)
       >>> fmp.all_finite([jnp.zeros(2), jnp.arange(3)])
       Array(True, dtype=bool)
     """
-    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    leaves = [x for _, x in _checked_leaves(tree, "all_finite(tree)")]
     big = [x for x in leaves if not _groupable(x)]
     small: dict[Any, list[jax.Array]] = {}
     for x in leaves:
@@ -143,7 +171,7 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
       kept leaves are bit-identical to ``b``.
 
     Raises:
-      ValueError: ``a`` and ``b`` differ in structure.
+      ValueError: ``a`` and ``b`` differ in structure, or two leaves differ in shape.
       TypeError: ``pred`` is not a bool scalar, or two leaves differ in dtype.
 
     Examples:
@@ -159,6 +187,9 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
         x, y = jnp.asarray(x), jnp.asarray(y)
         if x.dtype != y.dtype:
             raise TypeError(f"select_tree: leaves of a and b must have the same dtype, got {x.dtype} and {y.dtype}")
+        if x.shape != y.shape:
+            # jnp.where would broadcast them: a step that changes a shape is a bug, not a select
+            raise ValueError(f"select_tree: leaves of a and b must have the same shape, got {x.shape} and {y.shape}")
         return jnp.where(pred, x, y)
 
     return jax.tree.map(pick, a, b)
@@ -168,7 +199,8 @@ def nonfinite_leaves(grads: Any) -> list[str]:
     """Lists the tree paths of the leaves of ``grads`` that hold an inf or NaN (a host-side diagnostic).
 
     Computes one flag per leaf on device and fetches them in one transfer; call it outside ``jit``,
-    for example after a step reported ``finite == False``.
+    for example after a step reported ``finite == False``. Float and complex leaves (arrays or Python
+    floats) are checked; integer and bool leaves cannot hold inf/NaN and are never listed.
 
     Args:
       grads: A pytree of arrays.
@@ -181,10 +213,9 @@ def nonfinite_leaves(grads: Any) -> list[str]:
       ["['b']['c']"]
     """
     paths, leaves = [], []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if _is_float(leaf):
-            paths.append(jax.tree_util.keystr(path))
-            leaves.append(leaf)
+    for path, leaf in _checked_leaves(grads, "nonfinite_leaves(grads)"):
+        paths.append(jax.tree_util.keystr(path))
+        leaves.append(leaf)
     flags = jax.device_get(jax.jit(lambda xs: [_leaf_finite(x) for x in xs])(leaves))
     return [p for p, ok in zip(paths, flags, strict=True) if not bool(ok)]
 
@@ -197,6 +228,8 @@ def _check_flag(flag: Any, name: str) -> jax.Array:
 
 
 def _scale_leaf(x: Any, s: jax.Array) -> Any:
+    if not (hasattr(x, "dtype") or isinstance(x, int | float)):
+        raise TypeError(f"GradScaler.scale: tree leaves must be float or integer arrays, got {type(x).__name__}")
     x = jnp.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.floating):
         if x.dtype == jnp.float64:
@@ -348,7 +381,8 @@ class GradScaler:
 
         The reciprocal is ``float32(1 / float64(scale))``. float32 leaves are multiplied in float32;
         float16/bfloat16 leaves are multiplied in float32 and rounded back to their dtype (torch's
-        opmath). Non-float leaves pass through. A disabled scaler returns ``grads`` unchanged.
+        opmath); float64 and complex leaves are multiplied in their own dtype. Python floats become
+        arrays. Integer and bool leaves pass through. A disabled scaler returns ``grads`` unchanged.
 
         Examples:
           >>> fmp.GradScaler(init_scale=4.0).unscale({"w": jnp.array([2.0, 8.0])})
@@ -359,10 +393,13 @@ class GradScaler:
         inv = _reciprocal_f64(self.loss_scale)
 
         def leaf(g):
-            if not _is_float(g):
+            if isinstance(g, float | complex):
+                g = jnp.asarray(g)  # a Python float is a gradient too; canonical dtype (float32 without x64)
+            if not hasattr(g, "dtype") or not jnp.issubdtype(g.dtype, jnp.inexact):
                 return g
-            if g.dtype == jnp.float64:
-                return g * inv.astype(jnp.float64)
+            g = jnp.asarray(g)  # numpy float64 becomes float32 without x64, as everywhere in JAX
+            if g.dtype == jnp.float64 or jnp.issubdtype(g.dtype, jnp.complexfloating):
+                return g * inv.astype(g.dtype)
             return (g.astype(jnp.float32) * inv).astype(g.dtype)
 
         return jax.tree.map(leaf, grads)

@@ -185,7 +185,7 @@ def parse_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     Accepts 0-d arrays/tensors as values (``float()``/``int()`` of them).
 
     Raises:
-      TypeError: ``state_dict`` is not a mapping.
+      TypeError: ``state_dict`` is not a mapping, or a value is not a number.
       ValueError: it is empty (saved from a disabled scaler) or lacks a key.
     """
     if not isinstance(state_dict, Mapping):
@@ -197,10 +197,14 @@ def parse_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in STATE_DICT_KEYS if k not in state_dict]
     if missing:
         raise ValueError(f"scaler state_dict lacks keys {missing}; expected the keys {list(STATE_DICT_KEYS)}")
-    return {
-        "scale": float(state_dict["scale"]),
-        "growth_factor": float(state_dict["growth_factor"]),
-        "backoff_factor": float(state_dict["backoff_factor"]),
-        "growth_interval": int(state_dict["growth_interval"]),
-        "_growth_tracker": int(state_dict["_growth_tracker"]),
-    }
+    out: dict[str, Any] = {}
+    for key in STATE_DICT_KEYS:
+        convert = int if key in ("growth_interval", "_growth_tracker") else float
+        value = state_dict[key]
+        try:
+            out[key] = convert(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"state_dict[{key!r}] must be a number (or a 0-d array), got {value!r} of type {type(value).__name__}"
+            ) from None
+    return out

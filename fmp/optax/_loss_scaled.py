@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from fmp._scaler import GradScaler, all_finite, select_tree
+from fmp.optax._checks import check_inner, check_state, check_updates
 
 _MSG_NO_SCALER = (
     "no fmp.optax.loss_scaled state found in opt_state. Build the optimizer with "
@@ -117,7 +118,9 @@ def loss_scaled(
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaledState`.
 
     Raises:
-      TypeError: ``scaler`` is not a GradScaler.
+      TypeError: ``inner`` is not a GradientTransformation or ``scaler`` is not a GradScaler; from
+        ``update``: integer/bool gradients, or a state that is not a :class:`LossScaledState`.
+      ValueError: from ``update``: gradients shaped unlike ``params`` (tree or leaf shapes).
 
     Examples:
       >>> import optax
@@ -133,6 +136,7 @@ def loss_scaled(
       >>> updates, fmp.optax.current_scaler(state).loss_scale, state.skipped_steps
       (Array([-0., -0.], dtype=float32), Array(4., dtype=float32), Array(1, dtype=int32))
     """
+    check_inner(inner, "loss_scaled")
     if scaler is None:
         scaler = GradScaler()
     if not isinstance(scaler, GradScaler):
@@ -146,6 +150,8 @@ def loss_scaled(
         return LossScaledState(fresh, inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state: LossScaledState, params=None, **extra_args):
+        check_state(state, LossScaledState, "loss_scaled.update")
+        check_updates(updates, params, "loss_scaled.update")
         sc = state.scaler
         if not sc.enabled:
             new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
@@ -177,6 +183,9 @@ def skip_nonfinite(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`SkipNonfiniteState`.
 
+    Raises:
+      TypeError, ValueError: as for :func:`loss_scaled`.
+
     Examples:
       >>> import optax
       >>> opt = fmp.optax.skip_nonfinite(optax.sgd(1.0))
@@ -185,12 +194,15 @@ def skip_nonfinite(
       >>> updates, state.skipped_steps
       (Array([-0., -0.], dtype=float32), Array(1, dtype=int32))
     """
+    check_inner(inner, "skip_nonfinite")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState:
         return SkipNonfiniteState(inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state: SkipNonfiniteState, params=None, **extra_args):
+        check_state(state, SkipNonfiniteState, "skip_nonfinite.update")
+        check_updates(updates, params, "skip_nonfinite.update")
         finite = all_finite(updates, axis_name)
         new_updates, new_inner = _guarded_update(inner, updates, state.inner_state, params, finite, extra_args)
         skipped, consecutive = _counters(state.skipped_steps, state.consecutive_skipped, finite)
