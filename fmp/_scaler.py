@@ -221,6 +221,8 @@ def nonfinite_leaves(grads: Any) -> list[str]:
 
 
 def _check_flag(flag: Any, name: str) -> jax.Array:
+    if not (hasattr(flag, "dtype") or isinstance(flag, bool | int | float)):
+        raise TypeError(_MSG_FINITE.replace("finite", name, 1).format(got=type(flag).__name__))
     flag = jnp.asarray(flag)
     if flag.dtype != jnp.bool_ or flag.shape != ():
         raise TypeError(_MSG_FINITE.replace("finite", name, 1).format(got=f"{flag.dtype}{list(flag.shape)}"))
@@ -398,7 +400,11 @@ class GradScaler:
             if not hasattr(g, "dtype") or not jnp.issubdtype(g.dtype, jnp.inexact):
                 return g
             g = jnp.asarray(g)  # numpy float64 becomes float32 without x64, as everywhere in JAX
-            if g.dtype == jnp.float64 or jnp.issubdtype(g.dtype, jnp.complexfloating):
+            if jnp.issubdtype(g.dtype, jnp.complexfloating):
+                # part by part: a complex product would turn inf * (0.25 + 0j) into inf + NaN j
+                part = inv.astype(g.real.dtype)
+                return jax.lax.complex(g.real * part, g.imag * part)
+            if g.dtype == jnp.float64:
                 return g * inv.astype(g.dtype)
             return (g.astype(jnp.float32) * inv).astype(g.dtype)
 

@@ -27,6 +27,10 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 INT32_MAX = 2**31 - 1
+# the scale is float32: a value outside [smallest normal, largest finite] would be stored as 0 or inf
+# (XLA on CPU flushes float32 denormals to zero)
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -74,8 +78,10 @@ def check_new_scale(value: Any) -> None:
     """Rejects a Python-number ``new_scale`` that is not finite and > 0 (ValueError naming it)."""
     if isinstance(value, bool):
         raise TypeError(f"new_scale must be a float scalar, got {value!r}")
-    if isinstance(value, int | float) and not (math.isfinite(value) and value > 0):
-        raise ValueError(f"new_scale must be a finite number > 0, got {value!r}")
+    if isinstance(value, int | float):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"new_scale must be a finite number > 0, got {value!r}")
+        _fits_float32(value, "new_scale")
 
 
 class ArrayOps(Protocol):
@@ -142,6 +148,7 @@ def check_hparams(
     _real(init_scale, "init_scale")
     if not (math.isfinite(init_scale) and init_scale > 0):
         raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+    _fits_float32(init_scale, "init_scale")
     _real(growth_factor, "growth_factor")
     if not (math.isfinite(growth_factor) and growth_factor > 1.0):
         raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
@@ -157,8 +164,17 @@ def check_hparams(
             _real(value, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+            _fits_float32(value, name)
     if min_scale is not None and max_scale is not None and min_scale > max_scale:
         raise ValueError(f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})")
+
+
+def _fits_float32(value: float, name: str) -> None:
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be between {FLOAT32_TINY!r} and {FLOAT32_MAX!r} (normal float32 numbers), got {value!r}: "
+            "the scale is stored in float32, where it would become 0 or inf"
+        )
 
 
 def _real(value: Any, name: str) -> None:

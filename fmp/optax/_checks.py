@@ -23,8 +23,11 @@ def check_state(state: Any, cls: type, where: str) -> None:
         )
 
 
-def check_updates(updates: Any, params: Any, where: str) -> None:
+def check_updates(updates: Any, params: Any, where: str) -> Any:
     """Gradients must be float (or complex) and, when params are given, shaped like them.
+
+    Returns ``updates`` with every leaf a JAX array (NumPy float64 becomes float32 without x64, as in
+    ``jnp.asarray``; JAX arrays and tracers come back as they are).
 
     Integer and bool gradients are rejected (no gradient of a loss is an integer; casting one would
     silently make a step out of a count or a mask).
@@ -38,7 +41,7 @@ def check_updates(updates: Any, params: Any, where: str) -> None:
                 f"{where}: updates must be float gradients, got {got} at {jax.tree_util.keystr(path) or 'the root'}"
             )
     if params is None:
-        return
+        return jax.tree.map(jnp.asarray, updates)
     ptree = jax.tree.structure(params)
     if ptree != treedef:
         raise ValueError(f"{where}: updates and params must have the same tree structure, got {treedef} and {ptree}")
@@ -48,3 +51,4 @@ def check_updates(updates: Any, params: Any, where: str) -> None:
                 f"{where}: updates and params must have the same shapes, got {jnp.shape(g)} and {jnp.shape(p)} "
                 f"at {jax.tree_util.keystr(path)}"
             )
+    return jax.tree.map(jnp.asarray, updates)

@@ -151,7 +151,7 @@ def loss_scaled(
 
     def update_fn(updates, state: LossScaledState, params=None, **extra_args):
         check_state(state, LossScaledState, "loss_scaled.update")
-        check_updates(updates, params, "loss_scaled.update")
+        updates = check_updates(updates, params, "loss_scaled.update")
         sc = state.scaler
         if not sc.enabled:
             new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
@@ -202,7 +202,7 @@ def skip_nonfinite(
 
     def update_fn(updates, state: SkipNonfiniteState, params=None, **extra_args):
         check_state(state, SkipNonfiniteState, "skip_nonfinite.update")
-        check_updates(updates, params, "skip_nonfinite.update")
+        updates = check_updates(updates, params, "skip_nonfinite.update")
         finite = all_finite(updates, axis_name)
         new_updates, new_inner = _guarded_update(inner, updates, state.inner_state, params, finite, extra_args)
         skipped, consecutive = _counters(state.skipped_steps, state.consecutive_skipped, finite)

@@ -131,7 +131,7 @@ def master_weights(
     ) -> tuple[optax.Updates, MasterWeightsState]:
         if params is None:
             raise ValueError(_MSG_NO_PARAMS)
-        check_updates(updates, params, "master_weights.update")
+        updates = check_updates(updates, params, "master_weights.update")
         grads = jax.tree.map(
             lambda m, g: g if m is None or g is None else jnp.asarray(g).astype(m.dtype),
             state.master,
