@@ -111,7 +111,7 @@ def _all_arrays(tree) -> bool:
     return all(hasattr(x, "dtype") for x in jax.tree.leaves(tree))
 
 
-test_all_finite_any_tree, test_all_finite_any_tree_slow = property_test(30, tree=TREES)(_finite_checks)
+test_all_finite_any_tree, test_all_finite_any_tree_slow = property_test(20, tree=TREES)(_finite_checks)
 
 
 @pytest.mark.parametrize("leaf", ["abc", object(), b"x"])
