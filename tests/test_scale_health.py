@@ -229,6 +229,20 @@ def test_overflow_alarm_under_jit_counts_resets_and_is_state_stable():
     assert s.consecutive_overflows.dtype == jnp.int32 and s.max_consecutive_overflows == 3
 
 
+def test_loss_scaled_overflow_alarm_under_jit():
+    opt = fmp.optax.loss_scaled(optax.sgd(0.1), fmp.GradScaler(init_scale=8.0, max_consecutive_overflows=2))
+    params = {"w": jnp.ones(2)}
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    got = []
+    for g in (jnp.inf, jnp.nan, 1.0, jnp.inf, jnp.inf, jnp.inf):
+        _, state = step({"w": jnp.full(2, g)}, state, params)
+        sc = fmp.optax.current_scaler(state)
+        got.append((int(state.consecutive_skipped), bool(sc.overflow_alarm)))
+    assert got == [(1, False), (2, True), (0, False), (1, False), (2, True), (3, True)]
+    assert step._cache_size() == 1
+
+
 def test_overflow_count_saturates_and_static_scalers_count_too():
     s = fmp.GradScaler(
         consecutive_overflows=jnp.int32(2**31 - 1), loss_scale=jnp.float32(1.0), growth_tracker=jnp.int32(0)

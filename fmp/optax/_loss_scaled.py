@@ -25,7 +25,10 @@ class LossScaledState(NamedTuple):
       scaler: The :class:`fmp.GradScaler` to scale the next loss with.
       inner_state: The wrapped optimizer's state (untouched on skipped steps).
       skipped_steps: int32, total skipped (non-finite) steps; saturates.
-      consecutive_skipped: int32, non-finite steps in a row; 0 after a finite step.
+      consecutive_skipped: int32, non-finite steps in a row; 0 after a finite step. The scaler counts
+        the same run (``scaler.consecutive_overflows``), and ``scaler.overflow_alarm`` (a bool array,
+        readable inside ``jit``) turns True once it reaches the scaler's ``max_consecutive_overflows``;
+        outside ``jit``, ``fmp.check_scaler_health(state)`` warns then.
     """
 
     scaler: GradScaler
