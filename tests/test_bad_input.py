@@ -599,3 +599,24 @@ def test_torch_facade_own_arguments_and_autocast_constructor():
         fmp.torch.autocast("cpu", dtype=torch.float16, policy="mixed_bfloat16")
     with pytest.raises(TypeError, match=re.escape("autocast(rules=...) expects an fmp.RuleSet")):
         fmp.torch.autocast("cpu", rules="default")
+
+
+# --- rule sets ------------------------------------------------------------------------------------------------------
+def test_rule_set_derive_arguments():
+    rules = fmp.DEFAULT_RULES
+    with pytest.raises(ValueError, match="framework must be one of"):
+        rules.derive(framework=3)
+    with pytest.raises(ValueError, match="unknown precision category 'lower'"):
+        rules.derive(lower=["exp"])
+    with pytest.raises(
+        TypeError, match=re.escape("derive(unlisted=...) expects a list of op names, got the string 'exp'")
+    ):
+        rules.derive(unlisted="exp")
+    with pytest.raises(TypeError, match=re.escape("derive(float32=...) expects op names as str, got 3")):
+        rules.derive(float32=[3])
+    with pytest.raises(ValueError, match="op 'exp' is moved to both"):
+        rules.derive(float32=["exp"], unlisted=["exp"])
+    with pytest.raises(ValueError, match="'x' is not a valid Category"):
+        fmp.Category("x")
+    # documented pass-through: a name the table does not know is a new op, and may be given a category
+    assert rules.derive(float32=["my_custom_prim"]).category("my_custom_prim") is fmp.Category.FLOAT32
