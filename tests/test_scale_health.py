@@ -16,8 +16,22 @@ from hypothesis import strategies as st
 import fmp
 import fmp.optax
 
+
+def property_test(n: int, **strategies):
+    """A default-suite property test with ``n`` examples, and a ``slow`` copy with ``20 * n`` and longer runs."""
+
+    def deco(fn):
+        fast = settings(max_examples=n, deadline=None)(given(**strategies)(fn))
+        long = {k: (LONG_EVENTS if v is EVENTS else v) for k, v in strategies.items()}
+        slow = pytest.mark.slow(settings(max_examples=20 * n, deadline=None)(given(**long)(fn)))
+        return fast, slow
+
+    return deco
+
+
 # 0: a clean step; 1: inf in one gradient leaf; 2: NaN in one gradient leaf; 3: NaN loss; 4: inf loss
 EVENTS = st.lists(st.integers(0, 4), min_size=1, max_size=40)
+LONG_EVENTS = st.lists(st.integers(0, 4), min_size=1, max_size=200)
 _INJECT = jnp.array([1.0, jnp.inf, jnp.nan, 1.0, 1.0], jnp.float32)
 _LOSS_INJECT = jnp.array([0.0, 0.0, 0.0, jnp.nan, jnp.inf], jnp.float32)
 
@@ -44,9 +58,7 @@ def _assert_scale_ok(scale):
     assert math.isfinite(s) and s > 0, s
 
 
-@settings(max_examples=25, deadline=None)
-@given(events=EVENTS)
-def test_value_and_grad_scale_stays_finite(events):
+def _value_and_grad_scale_stays_finite(events):
     params, scaler = _params(), fmp.GradScaler(init_scale=2.0**16, growth_interval=3)
     for e in events:
         before = params
@@ -60,6 +72,11 @@ def test_value_and_grad_scale_stays_finite(events):
         assert bool(fmp.all_finite(params))
 
 
+test_value_and_grad_scale_stays_finite, test_value_and_grad_scale_stays_finite_slow = property_test(25, events=EVENTS)(
+    _value_and_grad_scale_stays_finite
+)
+
+
 _OPT = fmp.optax.loss_scaled(optax.sgd(1e-2, momentum=0.9), fmp.GradScaler(init_scale=2.0**16, growth_interval=3))
 
 
@@ -71,9 +88,7 @@ def _opt_step(params, state, event):
     return optax.apply_updates(params, updates), state
 
 
-@settings(max_examples=25, deadline=None)
-@given(events=EVENTS)
-def test_loss_scaled_scale_stays_finite(events):
+def _loss_scaled_scale_stays_finite(events):
     params = _params()
     state = _OPT.init(params)
     run = 0
@@ -87,9 +102,12 @@ def test_loss_scaled_scale_stays_finite(events):
         assert int(sc.consecutive_overflows) == run
 
 
-@settings(max_examples=10, deadline=None)
-@given(events=EVENTS)
-def test_torch_facade_scale_stays_finite_and_equals_torch(events):
+test_loss_scaled_scale_stays_finite, test_loss_scaled_scale_stays_finite_slow = property_test(25, events=EVENTS)(
+    _loss_scaled_scale_stays_finite
+)
+
+
+def _torch_facade_scale_stays_finite_and_equals_torch(events):
     torch = pytest.importorskip("torch")
     import fmp.torch
 
@@ -111,6 +129,11 @@ def test_torch_facade_scale_stays_finite_and_equals_torch(events):
         results[name] = (scales, w.detach().tolist())
     assert results["fmp"] == results["torch"]
     assert all(math.isfinite(s) and s > 0 for s in results["fmp"][0])
+
+
+test_torch_facade_scale_stays_finite_and_equals_torch, test_torch_facade_scale_stays_finite_and_equals_torch_slow = (
+    property_test(10, events=EVENTS)(_torch_facade_scale_stays_finite_and_equals_torch)
+)
 
 
 # --- clamps ---------------------------------------------------------------------------------------------------------
