@@ -76,6 +76,9 @@ def value_and_grad(
     differentiates, checks the scaled gradients for inf/NaN, divides them by the same scale, and
     updates the scaler with torch's rule. Call it inside ``jax.jit`` with the current scaler each step.
 
+    ``finite`` is also False when the scale itself has no finite float32 reciprocal (0 after a very long
+    run of overflows, or a NaN set with ``update(new_scale=...)``): unscaling would give ``0 * inf = NaN``.
+
     The finite flag covers the gradients only, not ``aux``: a NaN in a logged metric says nothing about
     whether the update is safe, and must not shrink the scale (jaxamp's check does include aux).
 

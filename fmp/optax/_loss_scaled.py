@@ -102,6 +102,7 @@ def loss_scaled(
     (torch's float32 reciprocal) and runs ``inner``. On a non-finite step it returns zero updates
     (``-0.0``, the exact identity of ``p + u``) and keeps ``inner``'s state bit for bit, step counts
     included. Then it updates the scaler with torch's rule. Everything is branch-free and jit-safe.
+    A scale with no finite float32 reciprocal (0, NaN) skips the step too: its unscale would be NaN.
 
     Composition: put clipping and everything that keeps state *inside* ``inner``
     (``loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))``), so it sees
