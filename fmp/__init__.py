@@ -9,8 +9,10 @@ from fmp._autocast import explain as explain
 from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
 from fmp._core._rules import RuleSet as RuleSet
+from fmp._core._scaler_rule import ScaleHealthWarning as ScaleHealthWarning
 from fmp._grad import grad as grad
 from fmp._grad import value_and_grad as value_and_grad
+from fmp._health import check_scaler_health as check_scaler_health
 from fmp._policy import Policy as Policy
 from fmp._policy import cast_tree as cast_tree
 from fmp._policy import get_policy as get_policy
@@ -27,10 +29,12 @@ __all__ = [
     "GradScaler",
     "Policy",
     "RuleSet",
+    "ScaleHealthWarning",
     "all_finite",
     "autocast",
     "autocast_jaxpr",
     "cast_tree",
+    "check_scaler_health",
     "explain",
     "get_policy",
     "grad",

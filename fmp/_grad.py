@@ -23,9 +23,16 @@ import jax.numpy as jnp
 from fmp._scaler import GradScaler, all_finite
 
 
-def _check_scaler(scaler: Any) -> None:
+def _check_args(name: str, fun: Any, scaler: Any, argnums: Any, has_aux: Any) -> None:
+    if not callable(fun):
+        raise TypeError(f"{name}(fun) expects a callable (the loss function), got {type(fun).__name__}")
     if not isinstance(scaler, GradScaler):
         raise TypeError(f"scaler must be an fmp.GradScaler, got {type(scaler).__name__}")
+    nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
+    if not nums or any(isinstance(n, bool) or not isinstance(n, int) for n in nums):
+        raise TypeError(f"argnums must be an int or a non-empty sequence of ints, got {argnums!r}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
 
 
 def _check_loss(loss: Any) -> None:
@@ -55,7 +62,8 @@ def _scaled_grads(
         return loss, aux, grads, jnp.array(True), scaler
     # torch checks the scaled gradients (before multiplying by 1/scale): same flag, and it lets XLA
     # fuse the unscale into whatever consumes the gradients.
-    finite = all_finite(grads)
+    # a scale of 0 (or NaN) gives finite scaled gradients whose unscale is NaN: never take that step
+    finite = all_finite(grads) & scaler._usable()
     return loss, aux, scaler.unscale(grads), finite, scaler.update(finite)
 
 
@@ -67,6 +75,9 @@ def value_and_grad(
     The returned function runs ``fun``, multiplies the loss by ``scaler``'s scale (in float32),
     differentiates, checks the scaled gradients for inf/NaN, divides them by the same scale, and
     updates the scaler with torch's rule. Call it inside ``jax.jit`` with the current scaler each step.
+
+    ``finite`` is also False when the scale itself has no finite float32 reciprocal (0 after a very long
+    run of overflows, or a NaN set with ``update(new_scale=...)``): unscaling would give ``0 * inf = NaN``.
 
     The finite flag covers the gradients only, not ``aux``: a NaN in a logged metric says nothing about
     whether the update is safe, and must not shrink the scale (jaxamp's check does include aux).
@@ -84,7 +95,9 @@ def value_and_grad(
       step. With a disabled scaler nothing is scaled and ``finite`` is always True.
 
     Raises:
-      TypeError: ``scaler`` is not a GradScaler, or ``fun`` does not return a float scalar loss.
+      TypeError: ``fun`` is not callable, ``scaler`` is not a GradScaler, ``argnums`` is not an int
+        or a sequence of ints, ``has_aux`` is not a bool, or ``fun`` does not return a float scalar
+        loss. Integer or bool arguments named in ``argnums`` get ``jax.grad``'s own TypeError.
 
     Examples:
       >>> def loss_fn(w, x):
@@ -94,7 +107,7 @@ def value_and_grad(
       >>> loss, grads, finite
       (Array(5., dtype=float32), Array([2., 8.], dtype=float32), Array(True, dtype=bool))
     """
-    _check_scaler(scaler)
+    _check_args("value_and_grad", fun, scaler, argnums, has_aux)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, jax.Array, GradScaler]:
         loss, aux, grads, finite, new_scaler = _scaled_grads(fun, scaler, argnums, has_aux, args, kwargs)
@@ -118,7 +131,7 @@ def grad(
       >>> g, finite
       (Array([ 2., -6.], dtype=float32), Array(True, dtype=bool))
     """
-    _check_scaler(scaler)
+    _check_args("grad", fun, scaler, argnums, has_aux)
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, jax.Array, GradScaler]:
         _, aux, grads, finite, new_scaler = _scaled_grads(fun, scaler, argnums, has_aux, args, kwargs)

@@ -42,6 +42,9 @@ def _spec_help() -> str:
 
 def _to_name(value: Any, field: str) -> str:
     """Canonical float dtype name of ``value``, or a ValueError/TypeError naming ``field``."""
+    if value is None:
+        # np.dtype(None) is float64: never let a missing dtype become a silent float64
+        raise TypeError(f"Policy {field} must be a floating dtype (jnp.float32, 'bf16', ...), got None")
     if isinstance(value, str):
         name = _dtypes.canonical_name(value)
         if name is None:

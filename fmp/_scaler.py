@@ -69,6 +69,30 @@ def _is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _checked_leaves(tree: Any, where: str) -> list[tuple[Any, jax.Array]]:
+    """``(path, leaf)`` for every leaf that can hold an inf/NaN: float and complex arrays, Python floats.
+
+    Integer and bool leaves (arrays or Python numbers) cannot, and are left out.
+
+    Raises:
+      TypeError: a leaf is neither an array nor a number (a string, an object).
+    """
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, float | complex):
+            x = jnp.asarray(x)
+        elif not hasattr(x, "dtype"):
+            if isinstance(x, int):  # bool included
+                continue
+            raise TypeError(
+                f"{where}: every leaf must be an array or a number, got {type(x).__name__} at "
+                f"{jax.tree_util.keystr(path) or 'the root'}"
+            )
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            out.append((path, x))
+    return out
+
+
 _SMALL_LEAF = 1 << 14  # elements
 
 
@@ -97,7 +121,8 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Returns True if no floating leaf of ``tree`` holds an inf or NaN.
 
     One reduction per leaf, combined on device into one bool scalar: no host sync, so it is cheap
-    inside ``jax.jit``. Integer and bool leaves are ignored (they cannot be inf/NaN).
+    inside ``jax.jit``. Float and complex leaves are checked (Python floats too); integer and bool
+    leaves are ignored (they cannot be inf/NaN). An empty tree (``None``, ``{}``) is finite.
 
     Args:
       tree: Any pytree of arrays (typically gradients).
@@ -108,13 +133,16 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     Returns:
       A bool scalar array.
 
+    Raises:
+      TypeError: a leaf is neither an array nor a number.
+
     Examples:
       >>> fmp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
       Array(False, dtype=bool)
       >>> fmp.all_finite([jnp.zeros(2), jnp.arange(3)])
       Array(True, dtype=bool)
     """
-    leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+    leaves = [x for _, x in _checked_leaves(tree, "all_finite(tree)")]
     big = [x for x in leaves if not _groupable(x)]
     small: dict[Any, list[jax.Array]] = {}
     for x in leaves:
@@ -143,7 +171,7 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
       kept leaves are bit-identical to ``b``.
 
     Raises:
-      ValueError: ``a`` and ``b`` differ in structure.
+      ValueError: ``a`` and ``b`` differ in structure, or two leaves differ in shape.
       TypeError: ``pred`` is not a bool scalar, or two leaves differ in dtype.
 
     Examples:
@@ -159,6 +187,9 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
         x, y = jnp.asarray(x), jnp.asarray(y)
         if x.dtype != y.dtype:
             raise TypeError(f"select_tree: leaves of a and b must have the same dtype, got {x.dtype} and {y.dtype}")
+        if x.shape != y.shape:
+            # jnp.where would broadcast them: a step that changes a shape is a bug, not a select
+            raise ValueError(f"select_tree: leaves of a and b must have the same shape, got {x.shape} and {y.shape}")
         return jnp.where(pred, x, y)
 
     return jax.tree.map(pick, a, b)
@@ -168,7 +199,8 @@ def nonfinite_leaves(grads: Any) -> list[str]:
     """Lists the tree paths of the leaves of ``grads`` that hold an inf or NaN (a host-side diagnostic).
 
     Computes one flag per leaf on device and fetches them in one transfer; call it outside ``jit``,
-    for example after a step reported ``finite == False``.
+    for example after a step reported ``finite == False``. Float and complex leaves (arrays or Python
+    floats) are checked; integer and bool leaves cannot hold inf/NaN and are never listed.
 
     Args:
       grads: A pytree of arrays.
@@ -181,15 +213,16 @@ def nonfinite_leaves(grads: Any) -> list[str]:
       ["['b']['c']"]
     """
     paths, leaves = [], []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if _is_float(leaf):
-            paths.append(jax.tree_util.keystr(path))
-            leaves.append(leaf)
+    for path, leaf in _checked_leaves(grads, "nonfinite_leaves(grads)"):
+        paths.append(jax.tree_util.keystr(path))
+        leaves.append(leaf)
     flags = jax.device_get(jax.jit(lambda xs: [_leaf_finite(x) for x in xs])(leaves))
     return [p for p, ok in zip(paths, flags, strict=True) if not bool(ok)]
 
 
 def _check_flag(flag: Any, name: str) -> jax.Array:
+    if not (hasattr(flag, "dtype") or isinstance(flag, bool | int | float)):
+        raise TypeError(_MSG_FINITE.replace("finite", name, 1).format(got=type(flag).__name__))
     flag = jnp.asarray(flag)
     if flag.dtype != jnp.bool_ or flag.shape != ():
         raise TypeError(_MSG_FINITE.replace("finite", name, 1).format(got=f"{flag.dtype}{list(flag.shape)}"))
@@ -197,6 +230,8 @@ def _check_flag(flag: Any, name: str) -> jax.Array:
 
 
 def _scale_leaf(x: Any, s: jax.Array) -> Any:
+    if not (hasattr(x, "dtype") or isinstance(x, int | float)):
+        raise TypeError(f"GradScaler.scale: tree leaves must be float or integer arrays, got {type(x).__name__}")
     x = jnp.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.floating):
         if x.dtype == jnp.float64:
@@ -210,7 +245,7 @@ def _scale_leaf(x: Any, s: jax.Array) -> Any:
 # --- the scaler -----------------------------------------------------------------------------------------------------
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["loss_scale", "growth_tracker"],
+    data_fields=["loss_scale", "growth_tracker", "consecutive_overflows"],
     meta_fields=[
         "init_scale",
         "growth_factor",
@@ -220,6 +255,7 @@ def _scale_leaf(x: Any, s: jax.Array) -> Any:
         "min_scale",
         "max_scale",
         "dynamic",
+        "max_consecutive_overflows",
     ],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -251,9 +287,14 @@ class GradScaler:
       min_scale: Optional lower clamp on the scale (off by default, like torch).
       max_scale: Optional upper clamp on the scale (off by default, like torch).
       dynamic: False keeps the scale fixed (a static scaler).
+      max_consecutive_overflows: How many non-finite steps in a row raise :attr:`overflow_alarm`
+        (an int >= 1, default 32). Only a report: the schedule is unchanged.
       loss_scale: The float32 scale array; leave it unset to start from ``init_scale`` (it is set
         when JAX rebuilds the pytree).
       growth_tracker: The int32 count of consecutive finite steps; leave it unset to start from 0.
+      consecutive_overflows: The int32 count of non-finite steps in a row (saturating); leave it
+        unset to start from 0. Not part of :meth:`state_dict` (torch's five keys): a scaler loaded
+        from one starts the count at 0.
 
     Raises:
       ValueError: a hyper-parameter is out of range (the message names it).
@@ -276,13 +317,16 @@ class GradScaler:
     min_scale: float | None = None
     max_scale: float | None = None
     dynamic: bool = True
+    max_consecutive_overflows: int = _scaler_rule.DEFAULT_MAX_CONSECUTIVE_OVERFLOWS
     loss_scale: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
     growth_tracker: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
+    consecutive_overflows: jax.Array = dataclasses.field(default=_UNSET, kw_only=True)
 
     def __post_init__(self):
         # JAX rebuilds the pytree with the leaves set (possibly to tracers or placeholders): touch
         # nothing then. Only a user-built scaler (no leaves given) is validated and initialised.
-        if self.loss_scale is not _UNSET and self.growth_tracker is not _UNSET:
+        leaves = (self.loss_scale, self.growth_tracker, self.consecutive_overflows)
+        if all(x is not _UNSET for x in leaves):
             return
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
@@ -296,10 +340,13 @@ class GradScaler:
             min_scale=self.min_scale,
             max_scale=self.max_scale,
         )
+        _scaler_rule.check_limit(self.max_consecutive_overflows, "max_consecutive_overflows")
         if self.loss_scale is _UNSET:
             object.__setattr__(self, "loss_scale", jnp.asarray(self.init_scale, jnp.float32))
         if self.growth_tracker is _UNSET:
             object.__setattr__(self, "growth_tracker", jnp.asarray(0, jnp.int32))
+        if self.consecutive_overflows is _UNSET:
+            object.__setattr__(self, "consecutive_overflows", jnp.asarray(0, jnp.int32))
 
     @classmethod
     def static(cls, scale: float) -> GradScaler:
@@ -336,7 +383,8 @@ class GradScaler:
 
         The reciprocal is ``float32(1 / float64(scale))``. float32 leaves are multiplied in float32;
         float16/bfloat16 leaves are multiplied in float32 and rounded back to their dtype (torch's
-        opmath). Non-float leaves pass through. A disabled scaler returns ``grads`` unchanged.
+        opmath); float64 and complex leaves are multiplied in their own dtype. Python floats become
+        arrays. Integer and bool leaves pass through. A disabled scaler returns ``grads`` unchanged.
 
         Examples:
           >>> fmp.GradScaler(init_scale=4.0).unscale({"w": jnp.array([2.0, 8.0])})
@@ -347,10 +395,17 @@ class GradScaler:
         inv = _reciprocal_f64(self.loss_scale)
 
         def leaf(g):
-            if not _is_float(g):
+            if isinstance(g, float | complex):
+                g = jnp.asarray(g)  # a Python float is a gradient too; canonical dtype (float32 without x64)
+            if not hasattr(g, "dtype") or not jnp.issubdtype(g.dtype, jnp.inexact):
                 return g
+            g = jnp.asarray(g)  # numpy float64 becomes float32 without x64, as everywhere in JAX
+            if jnp.issubdtype(g.dtype, jnp.complexfloating):
+                # part by part: a complex product would turn inf * (0.25 + 0j) into inf + NaN j
+                part = inv.astype(g.real.dtype)
+                return jax.lax.complex(g.real * part, g.imag * part)
             if g.dtype == jnp.float64:
-                return g * inv.astype(jnp.float64)
+                return g * inv.astype(g.dtype)
             return (g.astype(jnp.float32) * inv).astype(g.dtype)
 
         return jax.tree.map(leaf, grads)
@@ -360,29 +415,54 @@ class GradScaler:
     ) -> GradScaler:
         """Returns the scaler for the next step.
 
+        Whatever ``finite`` says, the scale stays a finite float32 > 0 if it was one: a backoff is a
+        multiplication by a factor in (0, 1) and a growth that would overflow is not taken. What it
+        can do after a very long run of non-finite steps is shrink towards 0 (float32 underflow);
+        ``consecutive_overflows`` counts that run and :attr:`overflow_alarm` reports it, and
+        ``min_scale`` bounds it.
+
         Args:
           finite: Bool scalar, False if this step's gradients held an inf/NaN.
-          new_scale: If given, the new scale is set to it (as float32) and the tracker is left as it
-            is, like ``torch.amp.GradScaler.update(new_scale)``; ``finite`` is then ignored.
+          new_scale: If given, the new scale is set to it (as float32) and the tracker and the
+            overflow count are left as they are, like ``torch.amp.GradScaler.update(new_scale)``;
+            ``finite`` is then ignored. A Python number must be finite and > 0 (torch accepts
+            anything). An array is only checked for shape and dtype: its value may be a tracer, so
+            a non-finite or non-positive array is stored as given and :func:`fmp.check_scaler_health`
+            reports it; ``value_and_grad`` and ``loss_scaled`` then skip every step.
 
         Returns:
-          A new scaler. A disabled scaler returns itself; a static one keeps its scale.
+          A new scaler. A disabled scaler returns itself; a static one keeps its scale (and still
+          counts ``consecutive_overflows``).
 
         Raises:
-          TypeError: ``finite`` is not a bool scalar.
+          TypeError: ``finite`` is not a bool scalar, or ``new_scale`` is not a float scalar.
+          ValueError: ``new_scale`` is a Python number that is not finite and > 0.
+
+        Examples:
+          >>> s = fmp.GradScaler(init_scale=8.0, max_consecutive_overflows=2)
+          >>> s = s.update(jnp.array(False)).update(jnp.array(False))
+          >>> s.loss_scale, s.consecutive_overflows, s.overflow_alarm
+          (Array(2., dtype=float32), Array(2, dtype=int32), Array(True, dtype=bool))
+          >>> s.update(new_scale=0.0)
+          Traceback (most recent call last):
+          ...
+          ValueError: new_scale must be a finite number > 0, got 0.0
         """
         if not self.enabled:
             return self
         if new_scale is not None:
-            ns = jnp.asarray(new_scale)
+            _scaler_rule.check_new_scale(new_scale)
+            ns = jnp.asarray(float(new_scale) if isinstance(new_scale, int) else new_scale)
             if ns.shape != () or not jnp.issubdtype(ns.dtype, jnp.floating):
                 raise TypeError(f"new_scale must be a float scalar, got {ns.dtype}{list(ns.shape)}")
             return dataclasses.replace(self, loss_scale=ns.astype(jnp.float32))
         if finite is None:
             raise TypeError("update() needs finite (a bool scalar, e.g. fmp.all_finite(grads)) or new_scale")
         finite = _check_flag(finite, "finite")
+        run = self.consecutive_overflows
+        run = jnp.where(finite, jnp.zeros_like(run), jnp.minimum(run, _scaler_rule.INT32_MAX - 1) + 1)
         if not self.dynamic:
-            return self
+            return dataclasses.replace(self, consecutive_overflows=run.astype(jnp.int32))
         scale, tracker = _scaler_rule.update_scale(
             self.loss_scale,
             self.growth_tracker,
@@ -394,7 +474,34 @@ class GradScaler:
             min_scale=self.min_scale,
             max_scale=self.max_scale,
         )
-        return dataclasses.replace(self, loss_scale=scale.astype(jnp.float32), growth_tracker=tracker.astype(jnp.int32))
+        return dataclasses.replace(
+            self,
+            loss_scale=scale.astype(jnp.float32),
+            growth_tracker=tracker.astype(jnp.int32),
+            consecutive_overflows=run.astype(jnp.int32),
+        )
+
+    @property
+    def overflow_alarm(self) -> jax.Array:
+        """Bool scalar: ``consecutive_overflows >= max_consecutive_overflows`` (readable inside ``jit``).
+
+        True means a run of non-finite steps too long to be ordinary float16 overflow; every one of
+        them was skipped and the scale shrank each time. Outside ``jit``,
+        :func:`fmp.check_scaler_health` turns it into a warning.
+
+        Examples:
+          >>> fmp.GradScaler().overflow_alarm
+          Array(False, dtype=bool)
+        """
+        return self.consecutive_overflows >= self.max_consecutive_overflows
+
+    def _usable(self) -> jax.Array:
+        """Bool scalar: the scale has a finite float32 reciprocal (it is finite, > 0, not a denormal).
+
+        ``value_and_grad`` and ``loss_scaled`` and it into the finite flag: with a scale of 0 the scaled
+        gradients are finite zeros but unscaling them gives 0 * inf = NaN.
+        """
+        return jnp.isfinite(_reciprocal_f64(self.loss_scale))
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -451,12 +558,16 @@ class GradScaler:
         """Returns a new scaler holding ``state_dict``'s state (torch's name; nothing is mutated).
 
         The hyper-parameters come from the dict, like torch; ``enabled``, ``min_scale``,
-        ``max_scale`` and ``dynamic`` are kept from ``self``. A disabled scaler returns itself.
+        ``max_scale``, ``dynamic`` and ``max_consecutive_overflows`` are kept from ``self``. A disabled scaler returns itself.
         """
         if not self.enabled:
             return self
         return type(self).from_state_dict(
-            state_dict, min_scale=self.min_scale, max_scale=self.max_scale, dynamic=self.dynamic
+            state_dict,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            dynamic=self.dynamic,
+            max_consecutive_overflows=self.max_consecutive_overflows,
         )
 
     @staticmethod
@@ -474,7 +585,11 @@ class GradScaler:
 
 
 def _flax_to_state_dict(s: GradScaler) -> dict[str, Any]:
-    return {"loss_scale": s.loss_scale, "growth_tracker": s.growth_tracker}
+    return {
+        "loss_scale": s.loss_scale,
+        "growth_tracker": s.growth_tracker,
+        "consecutive_overflows": s.consecutive_overflows,
+    }
 
 
 def _flax_from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScaler:
@@ -482,6 +597,8 @@ def _flax_from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScal
         target,
         loss_scale=jnp.asarray(state["loss_scale"], jnp.float32),
         growth_tracker=jnp.asarray(state["growth_tracker"], jnp.int32),
+        # absent from checkpoints written before the field existed
+        consecutive_overflows=jnp.asarray(state.get("consecutive_overflows", 0), jnp.int32),
     )
 
 

@@ -46,7 +46,7 @@ def test_defaults_match_torch():
 def test_pytree_leaves_and_static_fields_survive_jit():
     s = fmp.GradScaler(3.0, 1.5, 0.25, 7, min_scale=0.5, max_scale=1e6, dynamic=True)
     leaves, treedef = jax.tree.flatten(s)
-    assert len(leaves) == 2
+    assert len(leaves) == 3  # loss_scale, growth_tracker, consecutive_overflows
     out = jax.jit(lambda x: x)(s)
     for field in ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled", "min_scale"):
         assert getattr(out, field) == getattr(s, field), field

@@ -27,8 +27,61 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 INT32_MAX = 2**31 - 1
+# the scale is float32: a value outside [smallest normal, largest finite] would be stored as 0 or inf
+# (XLA on CPU flushes float32 denormals to zero)
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+# Scale health: a run this long of non-finite steps in a row is reported (a flag in the JAX state, a
+# warning from the torch facade and from fmp.check_scaler_health). With backoff_factor=0.5 it has
+# divided the scale by 2**32 by then: no overflow of a healthy float16 run needs that.
+DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
+
+
+class ScaleHealthWarning(UserWarning):
+    """A loss scaler has seen a long run of non-finite steps, or its scale is no longer a finite number > 0."""
+
+
+_MSG_HEALTH = (
+    "{where}: {count} non-finite steps in a row (limit {limit}); every one was skipped and the loss scale is "
+    "now {scale!r}. This is not ordinary float16 overflow: something produces inf/NaN whatever the scale "
+    "(a NaN in the data, a log of 0, a division by 0, a diverged run). {hint}"
+)
+_MSG_BAD_SCALE = (
+    "{where}: the loss scale is {scale!r}; it must be a finite number > 0 for the gradients to be unscaled. "
+    "Set min_scale (or load a good checkpoint). {hint}"
+)
+HINT_LEAVES = "Non-finite gradient leaves: {leaves}."
+HINT_NO_LEAVES = "Pass the gradients to fmp.check_scaler_health(state, grads) (or call fmp.nonfinite_leaves(grads)) to see where it starts."
+
+
+def health_message(*, where: str, count: int, limit: int, scale: float, hint: str) -> str | None:
+    """The text of a :class:`ScaleHealthWarning`, or None if ``count`` and ``scale`` are healthy."""
+    if not (math.isfinite(scale) and scale > 0):
+        return _MSG_BAD_SCALE.format(where=where, scale=scale, hint=hint)
+    if count >= limit:
+        return _MSG_HEALTH.format(where=where, count=count, limit=limit, scale=scale, hint=hint)
+    return None
+
+
+def check_limit(value: Any, name: str) -> None:
+    """Validates a consecutive-overflow limit (an int >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {value!r} of type {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_new_scale(value: Any) -> None:
+    """Rejects a Python-number ``new_scale`` that is not finite and > 0 (ValueError naming it)."""
+    if isinstance(value, bool):
+        raise TypeError(f"new_scale must be a float scalar, got {value!r}")
+    if isinstance(value, int | float):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"new_scale must be a finite number > 0, got {value!r}")
+        _fits_float32(value, "new_scale")
 
 
 class ArrayOps(Protocol):
@@ -95,6 +148,7 @@ def check_hparams(
     _real(init_scale, "init_scale")
     if not (math.isfinite(init_scale) and init_scale > 0):
         raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
+    _fits_float32(init_scale, "init_scale")
     _real(growth_factor, "growth_factor")
     if not (math.isfinite(growth_factor) and growth_factor > 1.0):
         raise ValueError(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
@@ -110,8 +164,17 @@ def check_hparams(
             _real(value, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+            _fits_float32(value, name)
     if min_scale is not None and max_scale is not None and min_scale > max_scale:
         raise ValueError(f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r})")
+
+
+def _fits_float32(value: float, name: str) -> None:
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be between {FLOAT32_TINY!r} and {FLOAT32_MAX!r} (normal float32 numbers), got {value!r}: "
+            "the scale is stored in float32, where it would become 0 or inf"
+        )
 
 
 def _real(value: Any, name: str) -> None:
@@ -138,7 +201,7 @@ def parse_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     Accepts 0-d arrays/tensors as values (``float()``/``int()`` of them).
 
     Raises:
-      TypeError: ``state_dict`` is not a mapping.
+      TypeError: ``state_dict`` is not a mapping, or a value is not a number.
       ValueError: it is empty (saved from a disabled scaler) or lacks a key.
     """
     if not isinstance(state_dict, Mapping):
@@ -150,10 +213,14 @@ def parse_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in STATE_DICT_KEYS if k not in state_dict]
     if missing:
         raise ValueError(f"scaler state_dict lacks keys {missing}; expected the keys {list(STATE_DICT_KEYS)}")
-    return {
-        "scale": float(state_dict["scale"]),
-        "growth_factor": float(state_dict["growth_factor"]),
-        "backoff_factor": float(state_dict["backoff_factor"]),
-        "growth_interval": int(state_dict["growth_interval"]),
-        "_growth_tracker": int(state_dict["_growth_tracker"]),
-    }
+    out: dict[str, Any] = {}
+    for key in STATE_DICT_KEYS:
+        convert = int if key in ("growth_interval", "_growth_tracker") else float
+        value = state_dict[key]
+        try:
+            out[key] = convert(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"state_dict[{key!r}] must be a number (or a 0-d array), got {value!r} of type {type(value).__name__}"
+            ) from None
+    return out

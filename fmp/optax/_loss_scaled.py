@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from fmp._scaler import GradScaler, all_finite, select_tree
+from fmp.optax._checks import check_inner, check_state, check_updates
 
 _MSG_NO_SCALER = (
     "no fmp.optax.loss_scaled state found in opt_state. Build the optimizer with "
@@ -24,7 +25,10 @@ class LossScaledState(NamedTuple):
       scaler: The :class:`fmp.GradScaler` to scale the next loss with.
       inner_state: The wrapped optimizer's state (untouched on skipped steps).
       skipped_steps: int32, total skipped (non-finite) steps; saturates.
-      consecutive_skipped: int32, non-finite steps in a row; 0 after a finite step.
+      consecutive_skipped: int32, non-finite steps in a row; 0 after a finite step. The scaler counts
+        the same run (``scaler.consecutive_overflows``), and ``scaler.overflow_alarm`` (a bool array,
+        readable inside ``jit``) turns True once it reaches the scaler's ``max_consecutive_overflows``;
+        outside ``jit``, ``fmp.check_scaler_health(state)`` warns then.
     """
 
     scaler: GradScaler
@@ -98,6 +102,7 @@ def loss_scaled(
     (torch's float32 reciprocal) and runs ``inner``. On a non-finite step it returns zero updates
     (``-0.0``, the exact identity of ``p + u``) and keeps ``inner``'s state bit for bit, step counts
     included. Then it updates the scaler with torch's rule. Everything is branch-free and jit-safe.
+    A scale with no finite float32 reciprocal (0, NaN) skips the step too: its unscale would be NaN.
 
     Composition: put clipping and everything that keeps state *inside* ``inner``
     (``loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))``), so it sees
@@ -118,7 +123,9 @@ def loss_scaled(
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaledState`.
 
     Raises:
-      TypeError: ``scaler`` is not a GradScaler.
+      TypeError: ``inner`` is not a GradientTransformation or ``scaler`` is not a GradScaler; from
+        ``update``: integer/bool gradients, or a state that is not a :class:`LossScaledState`.
+      ValueError: from ``update``: gradients shaped unlike ``params`` (tree or leaf shapes).
 
     Examples:
       >>> import optax
@@ -134,6 +141,7 @@ def loss_scaled(
       >>> updates, fmp.optax.current_scaler(state).loss_scale, state.skipped_steps
       (Array([-0., -0.], dtype=float32), Array(4., dtype=float32), Array(1, dtype=int32))
     """
+    check_inner(inner, "loss_scaled")
     if scaler is None:
         scaler = GradScaler()
     if not isinstance(scaler, GradScaler):
@@ -147,11 +155,14 @@ def loss_scaled(
         return LossScaledState(fresh, inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state: LossScaledState, params=None, **extra_args):
+        check_state(state, LossScaledState, "loss_scaled.update")
+        updates = check_updates(updates, params, "loss_scaled.update")
         sc = state.scaler
         if not sc.enabled:
             new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
             return new_updates, state._replace(inner_state=new_inner)
-        finite = all_finite(updates, axis_name)
+        # a scale of 0 (or NaN) gives finite scaled gradients whose unscale is NaN: never take that step
+        finite = all_finite(updates, axis_name) & sc._usable()
         new_updates, new_inner = _guarded_update(
             inner, updates, state.inner_state, params, finite, extra_args, prepare=sc.unscale
         )
@@ -177,6 +188,9 @@ def skip_nonfinite(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`SkipNonfiniteState`.
 
+    Raises:
+      TypeError, ValueError: as for :func:`loss_scaled`.
+
     Examples:
       >>> import optax
       >>> opt = fmp.optax.skip_nonfinite(optax.sgd(1.0))
@@ -185,12 +199,15 @@ def skip_nonfinite(
       >>> updates, state.skipped_steps
       (Array([-0., -0.], dtype=float32), Array(1, dtype=int32))
     """
+    check_inner(inner, "skip_nonfinite")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState:
         return SkipNonfiniteState(inner.init(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state: SkipNonfiniteState, params=None, **extra_args):
+        check_state(state, SkipNonfiniteState, "skip_nonfinite.update")
+        updates = check_updates(updates, params, "skip_nonfinite.update")
         finite = all_finite(updates, axis_name)
         new_updates, new_inner = _guarded_update(inner, updates, state.inner_state, params, finite, extra_args)
         skipped, consecutive = _counters(state.skipped_steps, state.consecutive_skipped, finite)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fmp.optax._checks import check_inner, check_updates
+
 _MSG_NO_PARAMS = (
     "master_weights needs the current params: call update(grads, state, params). The returned updates are "
     "cast(new_master) - params, so params must be the values the previous updates were applied to."
@@ -94,9 +96,10 @@ def master_weights(
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`MasterWeightsState`.
 
     Raises:
-      TypeError: ``master_dtype`` is not a floating dtype.
+      TypeError: ``inner`` is not a GradientTransformation, ``master_dtype`` is not a floating dtype,
+        or ``update`` gets integer/bool gradients.
       ValueError: ``master_dtype`` is 64-bit while ``jax_enable_x64`` is off, or ``update`` is called
-        without ``params``.
+        without ``params`` or with gradients shaped unlike them.
 
     Examples:
       >>> import optax
@@ -112,6 +115,9 @@ def master_weights(
       >>> params["w"]
       Array([0.988281, 0.988281, 0.988281], dtype=bfloat16)
     """
+    check_inner(inner, "master_weights")
+    if master_dtype is None:  # np.dtype(None) is float64
+        raise TypeError(_MSG_MASTER_DTYPE.format(master_dtype))
     try:
         mdtype = np.dtype(master_dtype)
     except TypeError:
@@ -139,6 +145,7 @@ def master_weights(
     ) -> tuple[optax.Updates, MasterWeightsState]:
         if params is None:
             raise ValueError(_MSG_NO_PARAMS)
+        updates = check_updates(updates, params, "master_weights.update")
         grads = jax.tree.map(
             lambda m, g: g if m is None or g is None else jnp.asarray(g).astype(m.dtype),
             state.master,

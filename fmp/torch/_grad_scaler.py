@@ -59,6 +59,10 @@ _MSG_NEW_SCALE = (
 _MSG_EMPTY_STATE = (
     "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
 )
+_MSG_WHERE_TORCH = (
+    "To see where it starts: [n for n, p in model.named_parameters() if p.grad is not None and "
+    "not p.grad.isfinite().all()] before scaler.step(optimizer)."
+)
 _MSG_PICKLE = (
     "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after scaler.update()."
 )
@@ -142,6 +146,11 @@ class GradScaler:
         together. ``None`` (default) keeps the ranks independent, as torch's
         ``GradScaler`` does. The group is not pickled: set ``_process_group``
         again (or build a new scaler and ``load_state_dict``) after loading.
+      max_consecutive_overflows: fmp's own: after this many iterations in a row
+        whose ``step`` skipped the optimizer, ``update()`` warns once
+        (:class:`fmp.ScaleHealthWarning`). It counts the decisions ``step``
+        already read on the host, so it costs no extra sync; iterations decided
+        on the device (fused optimizers) leave the count as it is.
 
     Raises:
       AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` on an
@@ -168,7 +177,11 @@ class GradScaler:
         enabled: bool = True,
         *,
         process_group: Any = None,
+        max_consecutive_overflows: int = _scaler_rule.DEFAULT_MAX_CONSECUTIVE_OVERFLOWS,
     ) -> None:
+        _scaler_rule.check_limit(max_consecutive_overflows, "max_consecutive_overflows")
+        self._max_consecutive_overflows = max_consecutive_overflows
+        self._consecutive_overflows = 0  # host-side count, from the decisions step() already synced
         self._device = device
         self._enabled = enabled
         self._process_group = process_group
@@ -350,7 +363,8 @@ class GradScaler:
             raise AssertionError(_MSG_NO_INF_CHECKS_OPT)
         retval = None
         # the one host sync of an iteration: is any flag set?
-        if not sum(v.item() for v in state["found_inf_per_device"].values()):
+        state["host_found_inf"] = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+        if not state["host_found_inf"]:
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
@@ -429,7 +443,25 @@ class GradScaler:
             )
             scale.copy_(new)
             tracker.copy_(new_tracker)
+            self._count_overflows()
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    def _count_overflows(self) -> None:
+        """Counts skipped iterations from the host-side decisions of ``step``; warns once per long run."""
+        known = [st["host_found_inf"] for st in self._per_optimizer_states.values() if "host_found_inf" in st]
+        if any(known):
+            self._consecutive_overflows += 1
+            if self._consecutive_overflows == self._max_consecutive_overflows:
+                msg = _scaler_rule.health_message(
+                    where="fmp.torch.GradScaler",
+                    count=self._consecutive_overflows,
+                    limit=self._max_consecutive_overflows,
+                    scale=self.get_scale(),
+                    hint=_MSG_WHERE_TORCH,
+                )
+                warnings.warn(msg, _scaler_rule.ScaleHealthWarning, stacklevel=3)
+        elif known and len(known) == len(self._per_optimizer_states):
+            self._consecutive_overflows = 0
 
     def get_scale(self) -> float:
         """The current scale as a Python number (1.0 when disabled); a host sync."""
