@@ -109,7 +109,7 @@ def train(name: str, args, data, model: MLP, init_params) -> dict[str, Any]:
     fn, step = make_step(loss_fn, policy, scaled, tx)
     params = jax.tree.map(jnp.copy, init_params)
     opt_state = tx.init(params)
-    scaler = fmp.GradScaler(init_scale=2.0**16, growth_interval=args.growth_interval, enabled=scaled)
+    scaler = fmp.GradScaler(init_scale=args.init_scale, growth_interval=args.growth_interval, enabled=scaled)
 
     rng = np.random.default_rng(args.seed)
     n = len(x_tr)
@@ -204,7 +204,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     scaled = [r for r in results if r["final_scale"] is not None]
     for r in scaled:
         ax2.step(np.arange(len(r["scales"])), r["scales"], where="post", label=f"{r['name']}: loss scale")
-        if len(r["skipped_at"]):
+        if not len(r["skipped_at"]):
+            ax2.plot([], [], " ", label="no skipped steps")
+        else:
             ax2.scatter(r["skipped_at"], r["scales"][r["skipped_at"]], marker="x", color="red", zorder=3,
                         label=f"skipped step ({r['skipped']})")  # fmt: skip
     if not scaled:
@@ -232,6 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=200,
         help="GradScaler growth_interval: finite steps before the scale doubles (default 200; torch uses 2000)",
     )
+    p.add_argument("--init-scale", type=float, default=2.0**16, help="GradScaler init_scale (default 65536, torch's)")
     p.add_argument(
         "--out", type=Path, default=Path("fmp_main_out"), help="output folder for the PNG (default ./fmp_main_out)"
     )
