@@ -78,6 +78,14 @@ def make_loss(model: MLP):
     return loss_fn
 
 
+class Float32Eval:
+    """The float32 evaluations every run shares (jitted once): test logits, and loss and gradients."""
+
+    def __init__(self, model: MLP):
+        self.logits = jax.jit(model.apply)
+        self.value_and_grad = jax.jit(jax.value_and_grad(make_loss(model)))
+
+
 def make_step(loss_fn, policy: str | None, scaled: bool, tx: optax.GradientTransformation):
     """One jitted train step; a disabled GradScaler makes the unscaled runs use the same code path."""
     fn = loss_fn if policy is None else fmp.autocast(loss_fn, policy)
@@ -101,7 +109,7 @@ def flushed(fn_grads, ref_grads) -> tuple[int, int]:
     return int(np.sum(nonzero & (got == 0))), int(np.sum(nonzero))
 
 
-def train(name: str, args, data, model: MLP, init_params) -> dict[str, Any]:
+def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> dict[str, Any]:
     policy, scaled = RUNS[name]
     x_tr, x_te, y_tr, y_te = data
     loss_fn = make_loss(model)
@@ -134,11 +142,11 @@ def train(name: str, args, data, model: MLP, init_params) -> dict[str, Any]:
     jax.block_until_ready(params)
     elapsed = time.perf_counter() - start if start is not None else float("nan")
 
-    logits = jax.jit(model.apply)(params, jnp.asarray(x_te))
+    logits = f32.logits(params, jnp.asarray(x_te))
     acc = float(np.mean(np.argmax(np.asarray(logits), -1) == y_te))
     # flushed-to-zero count at this run's final params, on the full training set
     x_all, y_all = jnp.asarray(x_tr), jnp.asarray(y_tr)
-    ref_loss, ref = jax.jit(jax.value_and_grad(loss_fn))(params, x_all, y_all)
+    ref_loss, ref = f32.value_and_grad(params, x_all, y_all)
     probe = fmp.GradScaler(init_scale=float(scaler.loss_scale), enabled=scaled, dynamic=False)
     _, got, _, _ = jax.jit(lambda p: fmp.value_and_grad(fn, probe)(p, x_all, y_all))(params)
     n_flushed, n_nonzero = flushed(got, ref)
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if key != "low_precision_flop_share":
             print(f"  {key}: {val}")
 
-    results = [train(name, args, data, model, init_params) for name in args.runs]
+    f32 = Float32Eval(model)
+    results = [train(name, args, data, model, init_params, f32) for name in args.runs]
     print()
     print(table(results))
     by = {r["name"]: r for r in results}
