@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import os
 import re
@@ -36,6 +37,12 @@ FAST = {
 }
 _futures: dict[str, concurrent.futures.Future] = {}
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pending_runs():
+    yield
+    _pool.shutdown(wait=True, cancel_futures=True)  # a -k selection does not run every example
 
 
 def _out(name: str, timeout: float = 300) -> str:
@@ -131,3 +138,20 @@ def test_main_default_run(tmp_path):
     out = _run("main.py", "--out", str(tmp_path), "--quiet", timeout=600)
     assert "(within 1 point)" in out, out
     assert (tmp_path / "fmp_main.png").stat().st_size > 10_000
+
+
+def test_examples_extra_covers_the_main_job():
+    """``pip install -e ".[examples]" && python examples/main.py`` needs nothing else (and no torch)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + project["optional-dependencies"]["examples"]
+    dists = {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in reqs}
+    dist_of = {"sklearn": "scikit-learn"}  # import name -> distribution name where they differ
+    tree = ast.parse((ROOT / "examples" / "main.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m not in {"fmp", "__future__"}}
+    assert "torch" not in third_party
+    missing = sorted(m for m in third_party if dist_of.get(m, m) not in dists)
+    assert not missing, f"examples/main.py imports {missing}, not in the 'examples' extra or the dependencies"
