@@ -45,6 +45,11 @@ def main(argv=None):
     overrides = {"LayerNorm": "float32"}
     report = fmp.explain(loss_fn, "mixed_bfloat16", overrides=overrides)(params, x, y)
     print(report)
+    in_norm = [r for r in report.records if "LayerNorm" in r.scope and r.category != "cast"]
+    dots = [r for r in report.records if r.op == "dot_general"]
+    norm_dtypes = sorted({d for r in in_norm for d in r.out_after})
+    print(f"ops inside LayerNorm: {len(in_norm)}, output dtypes {norm_dtypes}; "
+          f"dot_general outputs {sorted({d for r in dots for d in r.out_after})}")  # fmt: skip
     fn = fmp.autocast(loss_fn, "mixed_bfloat16", overrides=overrides)
     tx = fmp.optax.skip_nonfinite(optax.adam(1e-2))  # bfloat16 needs no loss scale; still never take a NaN step
     opt_state = tx.init(params)
