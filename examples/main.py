@@ -8,14 +8,16 @@ The same MLP (64 -> 256 -> 256 -> 256 -> 10, GELU) and the same batches are trai
   ``fmp.GradScaler``: the loss is multiplied by the scale before the backward pass, non-finite steps are skipped;
 * ``float16``        the same float16 autocast WITHOUT loss scaling, for contrast.
 
-The loss is the softmax cross-entropy averaged over the batch (nothing rescaled), so the gradient of each logit is ``(softmax - onehot) / batch``; it shrinks as the model learns, and in the backward pass of a float16
-matmul values below 2**-24 (6e-8) become zero. The run reports, at each model's final parameters, how many gradient
-elements that are non-zero in float32 come out exactly zero in that run's gradient (flushed to zero).
+The loss is the softmax cross-entropy averaged over the batch (nothing rescaled), so the gradient of each
+logit is ``(softmax - onehot) / batch``; it shrinks as the model learns, and in the backward pass of a float16
+matmul values below 2**-24 (6e-8) become zero. The run reports, at each model's final parameters, how many
+gradient elements that are non-zero in float32 come out exactly zero in that run's gradient (flushed to zero).
 
 Prints the ``fmp.explain`` summary of the model, a progress bar per run, then a table (test accuracy, the
 training-set loss at the final parameters evaluated in float32, steps/s, compiled memory of the train step
-from ``memory_analysis()``, skipped steps, final loss scale, flushed gradient elements) and writes ``fmp_main.png`` (loss curves and the loss-scale trajectory with the
-skipped steps marked) to the output folder.
+from ``memory_analysis()``, skipped steps, final loss scale, flushed gradient elements) and writes
+``fmp_main.png`` (loss curves and the loss-scale trajectory with the skipped steps marked) to the output
+folder.
 
     pip install -e ".[examples]" && python examples/main.py
     python examples/main.py --steps 300 --runs float32,float16+scaling --out /tmp/fmp
