@@ -303,3 +303,9 @@ DEFAULT_RULES = RuleSet(
     banned_messages=dict(data.TORCH_CUDA_BANNED),
     jax_epilogue=data.JAX_EPILOGUE,
 )
+"""The rule table fmp ships and uses by default: one :class:`RuleSet` for both frameworks.
+
+Its JAX table says which primitives run in the compute dtype (``dot_general``, convolutions), which in
+float32 (exponentials, logarithms, powers, reductions) and which in their widest input; its torch tables are
+torch 2.13's CPU and CUDA autocast op lists. ``fmp.DEFAULT_RULES.category("exp")`` is ``Category.FLOAT32``.
+"""
