@@ -81,9 +81,10 @@ def _groupable(x: Any) -> bool:
 
 
 def _leaf_finite(x: jax.Array) -> jax.Array:
-    # sum(x * 0) is +-0 when every element is finite and NaN otherwise (inf * 0 is NaN, and a sum
+    # sum(x - x) is 0 when every element is finite and NaN otherwise (inf - inf is NaN, and a sum
     # cannot drop a NaN): one read of the leaf and a sum-reduction, which XLA CPU vectorises and splits
-    # over threads. Not max(|x|): XLA CPU's max-reduction of 16384+ elements (the YNNPACK path) drops
+    # over threads. No constant operand (x * 0 would be: XLA shares one broadcast zero array between
+    # equal-shaped leaves and materialises it, a tree-sized read more). Not max(|x|): XLA CPU's max-reduction of 16384+ elements (the YNNPACK path) drops
     # NaN, so a NaN gradient would pass as finite (jax 0.10.2).
     if x.size == 0:
         return jnp.array(True)
@@ -92,8 +93,12 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
         # and materialise the shared convert: a float32 copy of the whole gradient tree. The barrier
         # keeps the two apart.
         x = jax.lax.optimization_barrier(x)
+    if x.dtype == jnp.float16:
+        # XLA CPU computes float16 arithmetic in float32 and would materialise x - x as a float32 copy
+        # before the sum; a bool and-reduction of isfinite fuses with the read instead
+        return jnp.all(jnp.isfinite(x))
     acc = jnp.float32 if x.dtype.itemsize <= 4 else x.dtype
-    return jnp.sum(x * jnp.zeros((), x.dtype), dtype=acc) == 0
+    return jnp.sum(x - x, dtype=acc) == 0
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
