@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fmp, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/scaler.py
 from scaler import kernel_count, taken_path_bytes  # noqa: E402  (bench/scaler.py, next to this file)
 
 import fmp  # noqa: E402
