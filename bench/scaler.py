@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -113,14 +114,17 @@ def fmp_optax_step(opt):
     return step
 
 
-def jmp_step(params, ls, grads):
+def jmp_step(params, state, grads):
     import jmp
 
+    # jmp's pytree cannot be rebuilt from .lower()'s placeholders, so its two arrays are carried as a
+    # tuple and the DynamicLossScale is built inside the step (the same ops: compiled code is identical)
+    ls = jmp.DynamicLossScale(*state)
     grads = ls.unscale(grads)
     finite = jmp.all_finite(grads)
     ls = ls.adjust(finite)
     new = jax.tree.map(lambda p, g: p - LR * g.astype(p.dtype), params, grads)
-    return jmp.select_tree(finite, new, params), ls
+    return jmp.select_tree(finite, new, params), (ls.loss_scale, ls.counter)
 
 
 def flax_step(params, ds, grads):
@@ -185,12 +189,87 @@ def jit_runner(step, params, state, grads):
     return Runner(compiled, params, state, grads), compiled
 
 
-def temp_bytes(step, params, state, grads):
-    try:
-        ma = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile().memory_analysis()
-    except TypeError:  # jmp 0.0.4's pytree __post_init__ cannot be rebuilt from .lower()'s placeholders
-        return None
-    return None if ma is None else ma.temp_size_in_bytes
+def compiled_traffic(step, params, state, grads):
+    """Deterministic cost of the compiled step (donating params and state, like the timed runs).
+
+    Returns ``(bytes_units, temp_bytes, kernels)``: XLA's ``cost_analysis()['bytes accessed']`` divided
+    by the bytes of one bandwidth unit (read + write of the gradient tree, ``2 * grad bytes``), so it
+    reads on the same scale as the times (fmp's two passes are 2.0 for float32 grads, the floor 1.5);
+    ``memory_analysis().temp_size_in_bytes``; and the number of kernels (fusions, copies and other
+    non-trivial instructions) in the entry computation of the optimized HLO.
+    """
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    unit_bytes = 2 * sum(x.nbytes for x in jax.tree.leaves(grads))
+    return cost["bytes accessed"] / unit_bytes, compiled.memory_analysis().temp_size_in_bytes, kernel_count(compiled)
+
+
+_TRIVIAL = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+# `%name = SHAPE opcode(`: SHAPE is one array shape or a (possibly once-nested) tuple of them
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (?:\((?:[^()]|\([^()]*\))*\)|\S+) ([a-z][\w-]*)\(")
+
+
+def kernel_count(compiled) -> int:
+    """Instructions of the optimized HLO's entry computation that run a kernel (not parameters,
+    constants, tuples or bitcasts)."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    ops = [m.group(1) for m in map(_INSTR.match, entry.splitlines()[1:]) if m]
+    return sum(op not in _TRIVIAL for op in ops)
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_DTYPE_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?(%\S+) = ((?:\((?:[^()]|\([^()]*\))*\)|\S+)) ([a-z][\w-]*)\((.*)$")
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def taken_path_bytes(compiled, branch: int = -1) -> int:
+    """Bytes read and written by the kernels of the optimized HLO, counting for every ``conditional``
+    only the kernels of one branch (``branch``: -1, the last, is the taken branch of a ``lax.cond`` on a
+    True predicate, i.e. a finite step). XLA's ``cost_analysis`` counts both branches of a conditional,
+    so it overstates a step that skips its work in a cond; without conditionals the two agree to a
+    fraction of a percent. Each kernel counts its output plus every operand once (a scalar or a
+    broadcast operand counts its own size), as the cost analysis does."""
+    text = compiled.as_text()
+    comps, name = {}, None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            comps[name] = []
+        elif name is not None and line.strip() and line.strip() != "}":
+            comps[name].append(line)
+    entry = next(n for n in comps if text.find("ENTRY " + n) >= 0)
+
+    def cost(comp: str) -> int:
+        shapes, total = {}, 0
+        for line in comps[comp]:
+            m = _LINE.match(line)
+            if not m:
+                continue
+            var, shape, op, rest = m.groups()
+            shapes[var] = shape
+            if op == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", rest).group(1).split(", ")
+                total += cost(branches[branch].strip())
+            elif op not in _TRIVIAL:
+                operands = re.findall(r"%[\w.\-]+", rest.split(")", 1)[0])
+                total += _shape_bytes(shape) + sum(_shape_bytes(shapes.get(o, "")) for o in operands)
+        return total
+
+    return cost(entry)
 
 
 def column(size, grad_dtype, reps, with_torch):
@@ -213,15 +292,13 @@ def column(size, grad_dtype, reps, with_torch):
     def fresh_params():
         return make_tree(shapes, jnp.float32, 0)
 
-    import jmp
-
     sgd = optax.sgd(LR)
     opt_fmp = fmp.optax.loss_scaled(sgd, fmp.GradScaler(init_scale=SCALE))
     opt_aif = optax.apply_if_finite(sgd, max_consecutive_errors=10**9)
     methods = {
         "fmp (GradScaler + select_tree)": (fmp_step, lambda p: fmp.GradScaler(init_scale=SCALE)),
         "fmp.optax.loss_scaled(sgd)": (fmp_optax_step(opt_fmp), opt_fmp.init),
-        "jmp DynamicLossScale": (jmp_step, lambda p: jmp.DynamicLossScale(jnp.float32(SCALE))),
+        "jmp DynamicLossScale": (jmp_step, lambda p: (jnp.float32(SCALE), jnp.int32(0))),
         "flax DynamicScale logic": (flax_step, lambda p: (jnp.float32(SCALE), jnp.int32(0))),
         "optax.apply_if_finite(sgd)": (apply_if_finite_step(opt_aif), opt_aif.init),
         "hand-written JAX": (handwritten_step, lambda p: jnp.float32(SCALE)),
@@ -230,7 +307,7 @@ def column(size, grad_dtype, reps, with_torch):
     for name, (step, init) in methods.items():
         params = fresh_params()
         state = init(params)
-        temps[name] = temp_bytes(step, params, state, grads)
+        temps[name] = compiled_traffic(step, params, state, grads)
         runner, _ = jit_runner(step, params, state, grads)
         rows[name] = timeit(runner, reps) / unit_t
         del runner, params, state
@@ -262,30 +339,47 @@ def main():
         f"python {platform.python_version()}, jax {jax.__version__}, optax {optax.__version__}, "
         f"flax {flax.__version__}, torch {torch_v}"
     )
-    cols, units, table, temps_all, sizes_n = [], {}, {}, {}, {}
+    cols, units, table, temps_all, sizes_n, itemsize = [], {}, {}, {}, {}, {}
     for size in args.sizes:
         for dt in (jnp.float32, jnp.bfloat16):
             name = f"{size}M {jnp.dtype(dt).name} grads"
             n, unit_t, rows, temps = column(size, dt, args.reps, not args.no_torch)
             cols.append(name)
             units[name], sizes_n[name], temps_all[name] = unit_t, n, temps
+            itemsize[name] = jnp.dtype(dt).itemsize
             for k, v in rows.items():
                 table.setdefault(k, {})[name] = v
-    print("\nTime of the post-gradient step in bandwidth units (lower is better)\n")
+    # grads read once, params read and written once, over one unit (grads read and written)
+    floor = {c: (itemsize[c] + 8) / (2 * itemsize[c]) for c in cols}
+    print(
+        "\nTime of the post-gradient step in bandwidth units (lower is better); in brackets, the bytes the "
+        "compiled step accesses in the same units (XLA cost_analysis: deterministic)\n"
+    )
     print("| method | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     print("| unit (ms) | " + " | ".join(f"{units[c] * 1e3:.1f}" for c in cols) + " |")
     print("| elements | " + " | ".join(f"{sizes_n[c] / 1e6:.1f}M" for c in cols) + " |")
+    print("| byte floor (read grads + params, write params) | " + " | ".join(f"{floor[c]:.2f}" for c in cols) + " |")
     for k, row in table.items():
-        print(f"| {k} | " + " | ".join(f"{row[c]:.2f}" if c in row else "n/a" for c in cols) + " |")
-    print("\nTemporary buffers of the compiled step (memory_analysis().temp_size_in_bytes; tree size for scale)\n")
-    print("| method | " + " | ".join(cols) + " |")
+        cells = []
+        for c in cols:
+            b = temps_all[c].get(k, (None,))[0]
+            t = "n/a" if c not in row else f"{row[c]:.2f}"
+            cells.append(t if b is None else f"{t} ({b:.2f})")
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    print(
+        "\nDeterministic: bytes accessed by the compiled step (cost_analysis) in bandwidth units, "
+        "temporary buffers (memory_analysis) in MiB, kernels in the optimized HLO\n"
+    )
+    print("| method | " + " | ".join(f"{c}: bytes / temp / kernels" for c in cols) + " |")
     print("|---|" + "---|" * len(cols))
-    tree_mb = [sizes_n[c] * 4 / 2**20 for c in cols]
-    print("| float32 tree (MiB) | " + " | ".join(f"{t:.0f}" for t in tree_mb) + " |")
     for k in temps_all[cols[0]]:
-        vals = [temps_all[c][k] for c in cols]
-        print(f"| {k} | " + " | ".join("?" if v is None else f"{v / 2**20:.2f} MiB" for v in vals) + " |")
+        cells = []
+        for c in cols:
+            b, t, n = temps_all[c][k]
+            cells.append(f"{b:.2f} / {t / 2**20:.2f} / {n}")
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    print("\n(float32 tree: " + ", ".join(f"{c.split()[0]} {sizes_n[c] * 4 / 2**20:.0f} MiB" for c in cols[::2]) + ")")
 
 
 if __name__ == "__main__":
