@@ -114,7 +114,7 @@ def test_update_under_jit(finite, scale, tracker):
 
 
 def test_update_does_not_recompile():
-    step = jax.jit(fmp.GradScaler.update)
+    step = jax.jit(lambda s, finite: s.update(finite))  # a fresh function: jit caches are shared per function
     s = fmp.GradScaler(init_scale=8.0, growth_interval=2)
     for finite in (True, True, False, True):
         s = step(s, jnp.array(finite))
