@@ -2,8 +2,8 @@
 
 Run from the repository root:  python bench/torch_scaler.py [--repeats N]
 
-Prints one markdown table. Timings are medians over interleaved rounds (torch, fmp,
-torch, fmp, ...) in one process, so machine noise hits both sides alike.
+Prints one markdown table. Timings are medians over interleaved rounds in one process (the GradScaler rows
+alternate which side runs first), so machine noise hits both sides alike.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def bench_scaler(repeats: int, opt_kind: str, width: int = 2048) -> tuple[float,
         s.scale(torch.ones(()))
     times: dict[str, list[float]] = {k: [] for k in scalers}
     for i in range(repeats + 2):
-        for name, scaler in scalers.items():
+        # alternate which side runs first in a round, so neither always inherits the other's cache state
+        order = list(scalers.items()) if i % 2 == 0 else list(scalers.items())[::-1]
+        for name, scaler in order:
             with torch.no_grad():
                 for p, g in zip(model.parameters(), saved, strict=True):
                     p.grad.copy_(g)
