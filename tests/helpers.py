@@ -42,3 +42,29 @@ def run_python(source: str, *, devices: int | None = None, timeout: float = 300)
 def run_with_devices(source: str, n: int = 8, *, timeout: float = 300) -> str:
     """Runs ``source`` in a subprocess with ``n`` fake CPU devices; returns stdout."""
     return run_python(source, devices=n, timeout=timeout)
+
+
+def tree_bits(tree) -> list[bytes]:
+    """The raw bytes of every leaf of ``tree``: equal lists mean bit-identical trees."""
+    import jax
+    import numpy as np
+
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def optax_not_strict(test):
+    """Runs ``test`` under standard dtype promotion.
+
+    optax 0.2.8's adam (bias correction), MultiSteps and reduce_on_plateau mix int32 and float32, which strict
+    promotion rejects; fmp's own code is strict-clean (see the sgd-based tests).
+    """
+    import functools
+
+    import jax
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        with jax.numpy_dtype_promotion("standard"):
+            return test(*args, **kwargs)
+
+    return wrapper

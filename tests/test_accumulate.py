@@ -13,21 +13,8 @@ optax = pytest.importorskip("optax")
 
 import fmp  # noqa: E402
 import fmp.optax  # noqa: E402
-
-
-def _standard_promotion(test):
-    """optax 0.2.8's adam mixes int32 and float32 (bias correction), which strict promotion rejects."""
-
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        with jax.numpy_dtype_promotion("standard"):
-            return test(*args, **kwargs)
-
-    return wrapper
-
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+from tests.helpers import optax_not_strict as _standard_promotion  # noqa: E402
+from tests.helpers import tree_bits as _bits  # noqa: E402
 
 
 def _scale(state):

@@ -8,10 +8,7 @@ import numpy as np
 import pytest
 
 import fmp
-
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+from tests.helpers import tree_bits as _bits
 
 
 def loss_fn(params, x, y, poison=None):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,23 +11,8 @@ optax = pytest.importorskip("optax")
 
 import fmp  # noqa: E402
 import fmp.optax  # noqa: E402
-
-
-def _optax_not_strict(test):
-    """optax 0.2.8's adam (bias correction), MultiSteps and reduce_on_plateau mix int32 and float32, which
-    strict promotion rejects: run those tests under standard promotion (fmp's own code is strict-clean,
-    see the sgd-based tests)."""
-
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        with jax.numpy_dtype_promotion("standard"):
-            return test(*args, **kwargs)
-
-    return wrapper
-
-
-def _bits(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+from tests.helpers import optax_not_strict as _optax_not_strict  # noqa: E402
+from tests.helpers import tree_bits as _bits  # noqa: E402
 
 
 def loss_fn(params, x, y, poison):
