@@ -68,3 +68,13 @@ def optax_not_strict(test):
             return test(*args, **kwargs)
 
     return wrapper
+
+
+def load_bench(name: str):
+    """Imports ``bench/<name>.py`` (the benchmarks are scripts, not a package) and returns the module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"fmp_bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT
+from helpers import load_bench
 from test_autocast import X, _mlp_params, mlp, mlp_hand
 
 import fmp
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("fmp_bench_autocast", ROOT / "bench" / "autocast.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _bench()
+B = load_bench("autocast")
 
 
 def _converts(fn, *args) -> int:

@@ -3,26 +3,16 @@ post-gradient step (bytes accessed, temporaries), read from XLA's cost and memor
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import ROOT
+from helpers import load_bench
 
 import fmp
 import fmp.optax
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("fmp_bench_scaler", ROOT / "bench" / "scaler.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _bench()
+B = load_bench("scaler")
 
 
 # --- NaN in large leaves --------------------------------------------------------------------------------------------
@@ -139,9 +129,7 @@ def _train_step_bytes(T, step, init):
     ],
 )
 def test_train_step_extra_bytes(pair, max_extra_trees):
-    spec = importlib.util.spec_from_file_location("fmp_bench_train_step", ROOT / "bench" / "train_step.py")
-    T = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(T)
+    T = load_bench("train_step")
     if pair == "sgd":
         base = _train_step_bytes(T, T.plain_sgd, lambda p: jnp.zeros(()))
         ours = _train_step_bytes(T, T.fmp_sgd, lambda p: fmp.GradScaler())
