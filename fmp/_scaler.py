@@ -104,6 +104,19 @@ def _groupable(x: Any) -> bool:
     return spec is None or all(axis is None for axis in spec)
 
 
+def _leaf_sum_finite(x: jax.Array) -> jax.Array:
+    """isfinite(sum(x)): True proves every element finite; False may be an overflow of the sum."""
+    if x.size == 0:
+        return jnp.array(True)
+    if x.dtype == jnp.float16:
+        return _leaf_finite(x)  # a float16 sum overflows at 65504: use the exact check directly
+    if x.dtype.itemsize < 4:
+        # summed in float32 (XLA CPU does so anyway); the barrier keeps XLA CSE from sharing that
+        # convert with the one in `unscale`, which would materialise a float32 copy of the tree
+        return jnp.isfinite(jnp.sum(jax.lax.optimization_barrier(x), dtype=jnp.float32))
+    return jnp.isfinite(jnp.sum(x))
+
+
 def _leaf_finite(x: jax.Array) -> jax.Array:
     # sum(x - x) is 0 when every element is finite and NaN otherwise (inf - inf is NaN, and a sum
     # cannot drop a NaN): one read of the leaf and a sum-reduction, which XLA CPU vectorises and splits
@@ -128,9 +141,13 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     """Returns True if no floating leaf of ``tree`` holds an inf or NaN.
 
-    One reduction per leaf, combined on device into one bool scalar: no host sync, so it is cheap
-    inside ``jax.jit``. Float and complex leaves are checked (Python floats too); integer and bool
-    leaves are ignored (they cannot be inf/NaN). An empty tree (``None``, ``{}``) is finite.
+    One read of every leaf, combined on device into one bool scalar: no host sync, so it is cheap
+    inside ``jax.jit``. The read is a plain sum per leaf (the fastest reduction XLA has): a sum cannot
+    hide an inf or NaN, so finite sums prove a finite tree. Finite values whose sum overflows make it
+    look non-finite; only then (a ``lax.cond``, not taken on normal steps) an exact element-wise check
+    decides, so the answer is always exact, as torch's. Float and complex leaves are checked (Python
+    floats too); integer and bool leaves are ignored (they cannot be inf/NaN). An empty tree
+    (``None``, ``{}``) is finite.
 
     Args:
       tree: Any pytree of arrays (typically gradients).
@@ -159,8 +176,23 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
     # Small leaves (biases, norms) are checked together: one kernel per dtype instead of one per leaf,
     # for the price of copying a few kilobytes.
     groups = [xs[0] if len(xs) == 1 else jnp.concatenate(xs) for xs in small.values()]
-    flags = [_leaf_finite(x) for x in big + groups]
-    finite = functools.reduce(jnp.logical_and, flags, jnp.array(True))
+    # Fast path: a plain sum of each big leaf (0.72 bandwidth units for 25M float32 elements on the
+    # 2-core CPU against 0.96 for sum(g - g)). A sum of finite values can overflow (falsely "not
+    # finite") but can never hide an inf or NaN, so when every sum is finite the tree is; otherwise the
+    # exact check runs in a cond. The small groups keep the exact check (XLA splits a plain sum of a
+    # concatenation back into two tiny kernels per leaf; they are a few kilobytes).
+    flags = [_leaf_sum_finite(x) for x in big] + [_leaf_finite(x) for x in groups]
+    fast = functools.reduce(jnp.logical_and, flags, jnp.array(True))
+    # The slow branch takes the leaves, not the groups (XLA would keep the concatenation alive for it
+    # and split the groups' sums again). The fast branch returns the flag itself (True there) so both
+    # branches carry the same varying-axes type under shard_map.
+    finite = jax.lax.cond(
+        fast,
+        lambda flag, xs: flag,
+        lambda flag, xs: functools.reduce(jnp.logical_and, [_leaf_finite(x) for x in xs], jnp.array(True)),
+        fast,
+        leaves,
+    )
     if axis_name is not None:
         finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
     return finite

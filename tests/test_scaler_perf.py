@@ -35,10 +35,26 @@ def test_nonfinite_leaves_sees_nan_in_a_large_leaf():
 
 @pytest.mark.parametrize("huge", [3.0e38, -3.0e38])
 def test_all_finite_accepts_the_largest_finite_values(huge):
-    # the check multiplies by zero: a huge finite gradient must not read as an overflow
+    # a huge finite gradient must not read as an overflow
     x = jnp.zeros((1 << 15,)).at[5].set(huge)
     assert bool(jax.jit(fmp.all_finite)(x))
     assert bool(fmp.all_finite(x.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("size", [100, 1 << 15])
+def test_all_finite_is_exact_when_the_fast_sum_overflows(dtype, size):
+    # The fast path sums each leaf; finite values can overflow that sum. The exact check behind it must
+    # then say "finite" (torch checks element by element and would not skip this step), and still see
+    # a real inf next to the overflowing values.
+    big = jnp.finfo(dtype).max
+    x = jnp.zeros((size,), dtype).at[1].set(big).at[size - 1].set(big)
+    assert not bool(jnp.isfinite(jnp.sum(x)))  # the overflow really happens
+    check = jax.jit(fmp.all_finite)
+    assert bool(check({"a": x, "b": jnp.ones(3)}))
+    assert not bool(check({"a": x, "b": jnp.ones(3).at[0].set(jnp.inf)}))
+    assert not bool(check({"a": x.at[size // 2].set(jnp.nan), "b": jnp.ones(3)}))
+    assert bool(jax.vmap(check)({"a": jnp.stack([x, x]), "b": jnp.ones((2, 3))}).all())
 
 
 def test_loss_scaled_skips_a_nan_in_a_large_leaf():
@@ -84,9 +100,10 @@ def test_post_gradient_step_is_two_passes(steps, name, grad_dtype, max_units):
     assert units >= max_units - 0.1  # the analysis really counts the passes (guards the bound above)
     assert temp < 0.02 * sum(x.nbytes for x in jax.tree.leaves(params))
     n_big = sum(int(jnp.prod(jnp.array(s))) > 1 << 14 for s in SHAPES.values())
-    # one update kernel per leaf, one check kernel per big leaf, a few for scalars; 16-bit small
-    # leaves are converted one by one before they are concatenated for the check
-    assert kernels <= (1 + (grad_dtype != jnp.float32)) * len(SHAPES) + n_big + 12
+    # one update kernel per leaf, one check kernel per big leaf, a few for scalars and the conds (the
+    # exact-check fallback, loss_scaled's apply); 16-bit small leaves are converted one by one before
+    # they are concatenated for the check
+    assert kernels <= (1 + (grad_dtype != jnp.float32)) * len(SHAPES) + n_big + 14
 
 
 def test_float16_grads_cost_three_and_a_half_units():
@@ -102,7 +119,11 @@ def test_float16_grads_cost_three_and_a_half_units():
 def test_taken_path_bytes_agrees_with_cost_analysis_without_conditionals():
     params = B.make_tree(SHAPES, jnp.float32, 0)
     grads = B.make_tree(SHAPES, jnp.float32, 1)
-    compiled = jax.jit(B.fmp_step, donate_argnums=(0, 1)).lower(params, fmp.GradScaler(), grads).compile()
+    # jmp's step has no conditional (fmp's finite check has one: its exact fallback)
+    with jax.numpy_dtype_promotion("standard"):  # jmp adds an int32 counter to a bool
+        lowered = jax.jit(B.jmp_step, donate_argnums=(0, 1)).lower(params, (jnp.float32(2.0), jnp.int32(0)), grads)
+    compiled = lowered.compile()
+    assert "conditional(" not in compiled.as_text()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     assert B.taken_path_bytes(compiled) == pytest.approx(cost["bytes accessed"], rel=0.01)
