@@ -1,12 +1,18 @@
 """Overhead of loss scaling on a whole jitted train step of a small transformer.
 
-Pairs, each timed in the same process with interleaved rounds:
+Pairs, each timed in the same process, step against step:
 
 * ``jax.value_and_grad`` + SGD  vs  ``fmp.value_and_grad`` + SGD + ``fmp.select_tree`` (skip non-finite);
-* ``jax.grad`` + ``optax.adamw``  vs  scaled loss + ``fmp.optax.loss_scaled(optax.adamw)``.
+* ``jax.grad`` + ``optax.adamw``  vs  scaled loss + ``fmp.optax.loss_scaled(optax.adamw)``;
+* the same AdamW baseline  vs  ``fmp.value_and_grad`` + a ``lax.cond`` around ``adamw.update`` and
+  ``optax.apply_updates`` (the guarded region holds the apply, so Adam's update fuses into the param write).
 
 Everything runs in float32 (autocast is not part of this measurement), params and optimizer state are
-donated. The target is at most 3% overhead. Run: ``python bench/train_step.py``.
+donated. The two steps of a pair alternate, one call each, for ``--steps`` pairs (which one goes first
+alternates too); the overhead is the median over the pairs of fmp's time / the baseline's time, so a slow
+spell of the machine hits both sides of a pair. ``--batches`` sweeps the batch size: the overhead is a
+fixed number of passes over the parameters, so its share falls as tokens per step grow.
+The target is at most 3% overhead. Run: ``python bench/train_step.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from scaler import kernel_count, taken_path_bytes  # noqa: E402  (bench/scaler.p
 import fmp  # noqa: E402
 import fmp.optax  # noqa: E402
 
-VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 1024, 128, 4, 2, 64, 4
+VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 1024, 128, 4, 2, 64, 4  # BATCH: the tests' and the default row's
 
 
 def init_params(key):
@@ -57,14 +63,15 @@ def layer_norm(x, g):
 
 
 def loss_fn(params, tokens):
+    batch = tokens.shape[0]
     x = params["emb"][tokens[:, :-1]] + params["pos"][: SEQ - 1]
     mask = jnp.tril(jnp.ones((SEQ - 1, SEQ - 1), bool))
     for lyr in params["layers"]:
         h = layer_norm(x, lyr["ln1"]) @ lyr["qkv"]
-        q, k, v = jnp.split(h.reshape(BATCH, SEQ - 1, 3 * HEADS, D // HEADS), 3, axis=2)
+        q, k, v = jnp.split(h.reshape(batch, SEQ - 1, 3 * HEADS, D // HEADS), 3, axis=2)
         att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(D // HEADS))
         att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
-        x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(BATCH, SEQ - 1, D) @ lyr["proj"]
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(batch, SEQ - 1, D) @ lyr["proj"]
         x = x + jax.nn.gelu(layer_norm(x, lyr["ln2"]) @ lyr["fc"]) @ lyr["out"]
     logits = layer_norm(x, params["ln_f"]) @ params["emb"].T
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
@@ -101,6 +108,18 @@ def fmp_adam(params, state, tokens):
     return optax.apply_updates(params, updates), state, loss
 
 
+def fmp_adam_cond(params, state, tokens):
+    scaler, opt_state = state
+    loss, grads, finite, scaler = fmp.value_and_grad(loss_fn, scaler)(params, tokens)
+
+    def apply(p, s, g):
+        updates, s = ADAM.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    params, opt_state = jax.lax.cond(finite, apply, lambda p, s, g: (p, s), params, opt_state, grads)
+    return params, (scaler, opt_state), loss
+
+
 def make_runner(step, state_init, tokens):
     f = jax.jit(step, donate_argnums=(0, 1))
     params = init_params(jax.random.key(0))
@@ -117,58 +136,65 @@ def make_runner(step, state_init, tokens):
     return run
 
 
-def timed(run, n):
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def paired(base, ours, n):
+    """Alternates one call of each, ``n`` pairs; returns (base median s, ours median s, median ratio)."""
+    tb, to = [], []
+    for i in range(n):
+        for run, ts in ((base, tb), (ours, to)) if i % 2 == 0 else ((ours, to), (base, tb)):
+            t0 = time.perf_counter()
+            run()
+            ts.append(time.perf_counter() - t0)
+    ratios = [o / b for o, b in zip(to, tb, strict=True)]
+    return statistics.median(tb), statistics.median(to), statistics.median(ratios)
+
+
+PAIRS = {
+    "SGD: jax.value_and_grad vs fmp.value_and_grad + select_tree": (
+        (plain_sgd, lambda p: jnp.zeros(())),
+        (fmp_sgd, lambda p: fmp.GradScaler()),
+    ),
+    "AdamW: optax.adamw vs fmp.optax.loss_scaled(optax.adamw)": ((plain_adam, ADAM.init), (fmp_adam, SCALED_ADAM.init)),
+    "AdamW: optax.adamw vs fmp.value_and_grad + lax.cond(update + apply)": (
+        (plain_adam, ADAM.init),
+        (fmp_adam_cond, lambda p: (fmp.GradScaler(), ADAM.init(p))),
+    ),
+}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batches", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--steps", type=int, default=300, help="pairs of steps at the smallest batch (fewer when larger)")
     args = ap.parse_args()
-    tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
-    pairs = {
-        "SGD: jax.value_and_grad vs fmp.value_and_grad + select_tree": (
-            make_runner(plain_sgd, lambda p: jnp.zeros(()), tokens),
-            make_runner(fmp_sgd, lambda p: fmp.GradScaler(), tokens),
-        ),
-        "AdamW: optax.adamw vs fmp.optax.loss_scaled(optax.adamw)": (
-            make_runner(plain_adam, ADAM.init, tokens),
-            make_runner(fmp_adam, SCALED_ADAM.init, tokens),
-        ),
-    }
     n_params = sum(x.size for x in jax.tree.leaves(init_params(jax.random.key(0))))
     print(
         f"# machine: {platform.machine()}, python {platform.python_version()}, jax {jax.__version__}, "
-        f"optax {optax.__version__}; transformer {LAYERS} layers, d={D}, seq={SEQ}, batch={BATCH}, "
+        f"optax {optax.__version__}; transformer {LAYERS} layers, d={D}, seq={SEQ}, "
         f"{n_params / 1e6:.1f}M params, float32"
     )
     tree = 4 * n_params
     print(
-        "\nTime (best of the rounds' medians) and, deterministic, the bytes the compiled step accesses on a"
-        " finite step (optimized HLO, the taken branch of any cond) in float32-param-tree units, and its kernels\n"
+        "\nTime (medians over alternating steps; overhead: median of the per-pair ratios) and, deterministic,"
+        " the bytes the compiled step accesses on a finite step (optimized HLO, the taken branch of any cond)"
+        " in float32-param-tree units, and its kernels\n"
     )
     print(
-        "| pair | no scaling (ms) | with fmp (ms) | overhead | bytes: no scaling / fmp (trees) "
-        "| bytes overhead | kernels |\n|---|---|---|---|---|---|---|"
+        "| batch | pair | no scaling (ms) | with fmp (ms) | overhead | bytes: no scaling / fmp (trees) "
+        "| bytes overhead | kernels |\n|---|---|---|---|---|---|---|---|"
     )
-    for name, (base, ours) in pairs.items():
-        tb, to = [], []
-        for _ in range(args.rounds):  # interleaved, so load changes hit both sides
-            tb.append(timed(base, args.steps))
-            to.append(timed(ours, args.steps))
-        b, o = min(tb), min(to)
-        bb, bo = (taken_path_bytes(r.compiled) / tree for r in (base, ours))
-        kb, ko = (kernel_count(r.compiled) for r in (base, ours))
-        print(
-            f"| {name} | {b * 1e3:.1f} | {o * 1e3:.1f} | {100 * (o / b - 1):+.1f}% | {bb:.2f} / {bo:.2f} "
-            f"| {100 * (bo / bb - 1):+.1f}% | {kb} / {ko} |"
-        )
+    for batch in args.batches:
+        tokens = jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB)
+        n = max(50, args.steps * min(args.batches) // batch)
+        for name, ((base_step, base_init), (our_step, our_init)) in PAIRS.items():
+            base, ours = make_runner(base_step, base_init, tokens), make_runner(our_step, our_init, tokens)
+            b, o, ratio = paired(base, ours, n)
+            bb, bo = (taken_path_bytes(r.compiled) / tree for r in (base, ours))
+            kb, ko = (kernel_count(r.compiled) for r in (base, ours))
+            print(
+                f"| {batch} | {name} | {b * 1e3:.1f} | {o * 1e3:.1f} | {100 * (ratio - 1):+.1f}% | {bb:.2f} / {bo:.2f} "
+                f"| {100 * (bo / bb - 1):+.1f}% | {kb} / {ko} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
