@@ -35,7 +35,7 @@ from scaler import kernel_count, taken_path_bytes  # noqa: E402  (bench/scaler.p
 import fmp  # noqa: E402
 import fmp.optax  # noqa: E402
 
-VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 1024, 128, 4, 2, 64, 4  # BATCH: the tests' and the default row's
+VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 1024, 128, 4, 2, 64, 4  # BATCH: the first row's, and the tests'
 
 
 def init_params(key):
@@ -163,7 +163,7 @@ PAIRS = {
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--batches", type=int, nargs="+", default=[BATCH, 16])
     ap.add_argument("--steps", type=int, default=300, help="pairs of steps at the smallest batch (fewer when larger)")
     args = ap.parse_args()
     n_params = sum(x.size for x in jax.tree.leaves(init_params(jax.random.key(0))))

@@ -104,17 +104,21 @@ def _groupable(x: Any) -> bool:
     return spec is None or all(axis is None for axis in spec)
 
 
+def _apart_from_unscale(x: jax.Array) -> jax.Array:
+    # A 16-bit leaf is summed in float32; XLA CSE would merge that convert with the one in `unscale` and
+    # materialise the shared convert: a float32 copy of the whole gradient tree. The barrier keeps the
+    # two apart.
+    return jax.lax.optimization_barrier(x) if x.dtype.itemsize < 4 else x
+
+
 def _leaf_sum_finite(x: jax.Array) -> jax.Array:
     """isfinite(sum(x)): True proves every element finite; False may be an overflow of the sum."""
     if x.size == 0:
         return jnp.array(True)
     if x.dtype == jnp.float16:
         return _leaf_finite(x)  # a float16 sum overflows at 65504: use the exact check directly
-    if x.dtype.itemsize < 4:
-        # summed in float32 (XLA CPU does so anyway); the barrier keeps XLA CSE from sharing that
-        # convert with the one in `unscale`, which would materialise a float32 copy of the tree
-        return jnp.isfinite(jnp.sum(jax.lax.optimization_barrier(x), dtype=jnp.float32))
-    return jnp.isfinite(jnp.sum(x))
+    acc = jnp.float32 if x.dtype.itemsize < 4 else None
+    return jnp.isfinite(jnp.sum(_apart_from_unscale(x), dtype=acc))
 
 
 def _leaf_finite(x: jax.Array) -> jax.Array:
@@ -125,11 +129,7 @@ def _leaf_finite(x: jax.Array) -> jax.Array:
     # NaN, so a NaN gradient would pass as finite (jax 0.10.2).
     if x.size == 0:
         return jnp.array(True)
-    if x.dtype.itemsize < 4:
-        # The sum accumulates in float32; XLA CSE would merge that convert with the one in `unscale`
-        # and materialise the shared convert: a float32 copy of the whole gradient tree. The barrier
-        # keeps the two apart.
-        x = jax.lax.optimization_barrier(x)
+    x = _apart_from_unscale(x)
     if x.dtype == jnp.float16:
         # XLA CPU computes float16 arithmetic in float32 and would materialise x - x as a float32 copy
         # before the sum; a bool and-reduction of isfinite fuses with the read instead
