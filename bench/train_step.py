@@ -12,6 +12,8 @@ donated. The two steps of a pair alternate, one call each, for ``--steps`` pairs
 alternates too); the overhead is the median over the pairs of fmp's time / the baseline's time, so a slow
 spell of the machine hits both sides of a pair. ``--batches`` sweeps the batch size: the overhead is a
 fixed number of passes over the parameters, so its share falls as tokens per step grow.
+``--decompose`` adds two diagnostic SGD steps (not valid skips) that split the overhead into the
+scaled backward + check and the wait of every update for the global flag.
 The target is at most 3% overhead. Run: ``python bench/train_step.py``.
 """
 
@@ -91,6 +93,20 @@ def fmp_sgd(params, scaler, tokens):
     return fmp.select_tree(finite, new, params), scaler, loss
 
 
+def fmp_sgd_flag_unused(params, scaler, tokens):
+    """Diagnostic, not a valid skip: the scaled backward and the check, but the update ignores the flag."""
+    loss, grads, finite, scaler = fmp.value_and_grad(loss_fn, scaler)(params, tokens)
+    return jax.tree.map(lambda p, g: p - LR * g, params, grads), scaler, jnp.where(finite, loss, 0.0)
+
+
+def fmp_sgd_early_flag(params, scaler, tokens):
+    """Diagnostic, not a valid skip: everything fmp_sgd does, but the select waits only for a flag known
+    before the backward (the loss's), so the updates need not wait for the last gradient's check."""
+    loss, grads, finite, scaler = fmp.value_and_grad(loss_fn, scaler)(params, tokens)
+    new = jax.tree.map(lambda p, g: p - LR * g, params, grads)
+    return fmp.select_tree(jnp.isfinite(loss), new, params), scaler, jnp.where(finite, loss, 0.0)
+
+
 ADAM = optax.adamw(LR)
 SCALED_ADAM = fmp.optax.loss_scaled(optax.adamw(LR))
 
@@ -161,11 +177,30 @@ PAIRS = {
 }
 
 
+# --decompose: where the SGD pair's overhead goes (each against the same unscaled SGD step)
+DECOMPOSE = {
+    "SGD diagnostic: fmp step with the flag computed, not used (no valid skip)": (
+        (plain_sgd, lambda p: jnp.zeros(())),
+        (fmp_sgd_flag_unused, lambda p: fmp.GradScaler()),
+    ),
+    "SGD diagnostic: fmp step selecting on a flag known before the backward (no valid skip)": (
+        (plain_sgd, lambda p: jnp.zeros(())),
+        (fmp_sgd_early_flag, lambda p: fmp.GradScaler()),
+    ),
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[BATCH, 16])
     ap.add_argument("--steps", type=int, default=300, help="pairs of steps at the smallest batch (fewer when larger)")
+    ap.add_argument(
+        "--decompose",
+        action="store_true",
+        help="also time two diagnostic SGD steps that show where the overhead goes (not valid skips)",
+    )
     args = ap.parse_args()
+    pairs = PAIRS | (DECOMPOSE if args.decompose else {})
     n_params = sum(x.size for x in jax.tree.leaves(init_params(jax.random.key(0))))
     print(
         f"# machine: {platform.machine()}, python {platform.python_version()}, jax {jax.__version__}, "
@@ -185,7 +220,7 @@ def main():
     for batch in args.batches:
         tokens = jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB)
         n = max(50, args.steps * min(args.batches) // batch)
-        for name, ((base_step, base_init), (our_step, our_init)) in PAIRS.items():
+        for name, ((base_step, base_init), (our_step, our_init)) in pairs.items():
             base, ours = make_runner(base_step, base_init, tokens), make_runner(our_step, our_init, tokens)
             b, o, ratio = paired(base, ours, n)
             bb, bo = (taken_path_bytes(r.compiled) / tree for r in (base, ours))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import load_bench
@@ -165,3 +166,23 @@ def test_train_step_extra_bytes(pair, max_extra_trees):
         ours = _train_step_bytes(T, T.fmp_adam_cond, lambda p: (fmp.GradScaler(), T.ADAM.init(p)))
     assert ours - base <= max_extra_trees
     assert base > 40  # the forward and backward are counted (guards the comparison above)
+
+
+def test_train_step_diagnostics_differ_from_the_real_step_only_in_what_waits_for_the_flag():
+    # bench/train_step.py --decompose: on a finite step both diagnostics must compute what fmp_sgd
+    # computes (same params, loss and scaler), otherwise their timings would not split fmp_sgd's overhead
+    T = load_bench("train_step")
+    params = T.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (T.BATCH, T.SEQ), 0, T.VOCAB)
+    ref_params, ref_scaler, ref_loss = jax.jit(T.fmp_sgd)(params, fmp.GradScaler(), tokens)
+    for step in (T.fmp_sgd_flag_unused, T.fmp_sgd_early_flag):
+        new_params, scaler, loss = jax.jit(step)(params, fmp.GradScaler(), tokens)
+        assert loss == ref_loss
+        assert scaler.state_dict() == ref_scaler.state_dict()
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), new_params, ref_params)
+    # and the real step does skip: a non-finite gradient leaves params bit for bit
+    bad = jax.tree.map(lambda x: x, params)
+    bad["ln_f"] = bad["ln_f"].at[0].set(jnp.inf)
+    out, scaler, _ = jax.jit(T.fmp_sgd)(bad, fmp.GradScaler(), tokens)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), out, bad)
+    assert float(scaler.loss_scale) == 2.0**15  # backed off from 2**16
