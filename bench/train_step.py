@@ -7,6 +7,9 @@ Pairs, each timed in the same process, step against step:
 * the same AdamW baseline  vs  ``fmp.value_and_grad`` + a ``lax.cond`` around ``adamw.update`` and
   ``optax.apply_updates`` (the guarded region holds the apply, so Adam's update fuses into the param write).
 
+and, as the peer, the same model and steps in eager torch (float32, CPU) without and with
+``torch.amp.GradScaler('cpu')``, SGD and AdamW (``foreach``), timed the same way (``--no-torch`` skips them).
+
 Everything runs in float32 (autocast is not part of this measurement), params and optimizer state are
 donated. The two steps of a pair alternate, one call each, for ``--steps`` pairs (which one goes first
 alternates too); the overhead is the median over the pairs of fmp's time / the baseline's time, so a slow
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fmp, not an installed one
@@ -177,6 +181,60 @@ PAIRS = {
 }
 
 
+# --- the peer: the same model and steps in eager torch, with and without torch.amp.GradScaler('cpu') ------------
+def torch_runner(batch: int, optimizer: str, scaled: bool):
+    """One eager torch train step of the same transformer (float32), plain or with GradScaler('cpu')."""
+    import torch
+    import torch.nn.functional as F
+
+    params = jax.tree.map(lambda x: torch.from_numpy(np.array(x)).requires_grad_(), init_params(jax.random.key(0)))
+    leaves = [x for x in jax.tree.leaves(params)]
+    tokens = torch.from_numpy(np.array(jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB))).long()
+    mask = torch.tril(torch.ones(SEQ - 1, SEQ - 1, dtype=torch.bool))
+
+    def t_layer_norm(x, g):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) * torch.rsqrt(var + 1e-5) * g
+
+    def t_loss():
+        x = params["emb"][tokens[:, :-1]] + params["pos"][: SEQ - 1]
+        for lyr in params["layers"]:
+            h = t_layer_norm(x, lyr["ln1"]) @ lyr["qkv"]
+            q, k, v = h.reshape(batch, SEQ - 1, 3 * HEADS, D // HEADS).split(HEADS, dim=2)
+            att = torch.einsum("bqhd,bkhd->bhqk", q, k) / (D // HEADS) ** 0.5
+            att = torch.softmax(torch.where(mask, att, -1e9), dim=-1)
+            x = x + torch.einsum("bhqk,bkhd->bqhd", att, v).reshape(batch, SEQ - 1, D) @ lyr["proj"]
+            x = x + F.gelu(t_layer_norm(x, lyr["ln2"]) @ lyr["fc"], approximate="tanh") @ lyr["out"]
+        logits = t_layer_norm(x, params["ln_f"]) @ params["emb"].T
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(leaves, lr=LR, foreach=True)
+    else:
+        opt = torch.optim.AdamW(leaves, lr=LR, foreach=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+
+    def run():
+        loss = t_loss()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        run.initial_loss = float(t_loss())  # for the test that this is the same model as loss_fn
+    run()
+    run()
+    return run
+
+
+TORCH_PAIRS = {
+    "torch peer, eager: SGD(foreach) vs GradScaler('cpu') + SGD(foreach)": "sgd",
+    "torch peer, eager: AdamW(foreach) vs GradScaler('cpu') + AdamW(foreach)": "adamw",
+}
+
+
 # --decompose: where the SGD pair's overhead goes (each against the same unscaled SGD step)
 DECOMPOSE = {
     "SGD diagnostic: fmp step with the flag computed, not used (no valid skip)": (
@@ -199,6 +257,7 @@ def main():
         action="store_true",
         help="also time two diagnostic SGD steps that show where the overhead goes (not valid skips)",
     )
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch.amp.GradScaler peer rows")
     args = ap.parse_args()
     pairs = PAIRS | (DECOMPOSE if args.decompose else {})
     n_params = sum(x.size for x in jax.tree.leaves(init_params(jax.random.key(0))))
@@ -214,7 +273,7 @@ def main():
         " in float32-param-tree units, and its kernels\n"
     )
     print(
-        "| batch | pair | no scaling (ms) | with fmp (ms) | overhead | bytes: no scaling / fmp (trees) "
+        "| batch | pair | no scaling (ms) | with scaling (ms) | overhead | bytes: no scaling / fmp (trees) "
         "| bytes overhead | kernels |\n|---|---|---|---|---|---|---|---|"
     )
     for batch in args.batches:
@@ -230,6 +289,13 @@ def main():
                 f"| {100 * (bo / bb - 1):+.1f}% | {kb} / {ko} |",
                 flush=True,
             )
+        if not args.no_torch:
+            for name, optimizer in TORCH_PAIRS.items():
+                base, ours = torch_runner(batch, optimizer, False), torch_runner(batch, optimizer, True)
+                b, o, ratio = paired(base, ours, n)
+                print(
+                    f"| {batch} | {name} | {b * 1e3:.1f} | {o * 1e3:.1f} | {100 * (ratio - 1):+.1f}% | n/a | n/a | n/a |"
+                )
 
 
 if __name__ == "__main__":

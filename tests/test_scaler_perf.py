@@ -186,3 +186,15 @@ def test_train_step_diagnostics_differ_from_the_real_step_only_in_what_waits_for
     out, scaler, _ = jax.jit(T.fmp_sgd)(bad, fmp.GradScaler(), tokens)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), out, bad)
     assert float(scaler.loss_scale) == 2.0**15  # backed off from 2**16
+
+
+def test_train_step_torch_peer_is_the_same_model():
+    pytest.importorskip("torch")
+    T = load_bench("train_step")
+    params = T.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (T.BATCH, T.SEQ), 0, T.VOCAB)
+    want = float(T.loss_fn(params, tokens))
+    for optimizer in ("sgd", "adamw"):
+        for scaled in (False, True):
+            run = T.torch_runner(T.BATCH, optimizer, scaled)
+            assert run.initial_loss == pytest.approx(want, rel=1e-5)
