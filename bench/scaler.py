@@ -14,9 +14,11 @@ of ``flax.training.dynamic_scale.DynamicScale.value_and_grad`` after the gradien
 division by the scale, no scale update: optax has none), a hand-written JAX step, and
 ``torch.amp.GradScaler('cpu')`` + ``torch.optim.SGD`` (float32 only: torch grads have the param dtype).
 
-Run: ``python bench/scaler.py`` (``--sizes 25`` for the small tree only, ``--reps N``, ``--rounds N``).
-Each method is timed right after a timing of the unit, round after round, and the median of those
-ratios is reported (the unit row shows the median unit).
+Run: ``python bench/scaler.py`` (``--sizes 25`` for the small tree only, ``--blocks N``, ``--budget-s S``).
+Each method is timed against the unit in alternating blocks of 6 calls each (the first call of a block
+dropped: after a torch call, torch's OpenMP workers keep spinning for a while and slow the next JAX call
+by ~25% on 2 cores); the cell is the median over the block pairs of median(method) / median(unit) (the
+unit row shows the median unit).
 The scale is 1 + 2**-10 for everyone: not 1, so torch's kernel really multiplies, and close to 1,
 so torch's in-place unscale cannot drift its gradients into denormals while it is being timed.
 """
@@ -76,17 +78,32 @@ def make_tree(shapes, dtype, seed):
     return out
 
 
-def timeit(fn, reps):
-    """Best wall time of one call over ``reps`` calls (the least disturbed by other load on the machine);
-    ``fn`` runs one step and blocks."""
+def paired_ratios(unit, fn, blocks, budget_s, unit_times=None, block=6, fn_times=None):
+    """Per-block ratios median time(fn) / median time(unit) over alternating blocks of ``block`` calls of
+    each (which one goes first alternates too; the first call of a block is dropped: it can be slowed by
+    the other side's threads winding down, e.g. torch's OpenMP workers spinning after a torch call), for
+    ``blocks`` pairs of blocks or until ``budget_s`` seconds have passed (at least 10). Unit and method
+    times are appended to ``unit_times`` and ``fn_times`` when given."""
+    unit()
     fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    out = []
+    start = time.perf_counter()
+    for i in range(blocks):
+        t: dict[str, list[float]] = {"u": [], "f": []}
+        for which, f in (("u", unit), ("f", fn)) if i % 2 == 0 else (("f", fn), ("u", unit)):
+            for j in range(block):
+                t0 = time.perf_counter()
+                f()
+                if j:
+                    t[which].append(time.perf_counter() - t0)
+        out.append(float(np.median(t["f"]) / np.median(t["u"])))
+        if unit_times is not None:
+            unit_times.extend(t["u"])
+        if fn_times is not None:
+            fn_times.extend(t["f"])
+        if i >= 9 and time.perf_counter() - start > budget_s:
+            break
+    return out
 
 
 class Runner:
@@ -277,11 +294,11 @@ def taken_path_bytes(compiled, branch: int = -1) -> int:
     return cost(entry)
 
 
-def column(size, grad_dtype, reps, rounds, with_torch):
-    """Times every method of one column. All runners are built first; then, ``rounds`` times, each
-    method is timed right after a fresh timing of the unit, and its ratio is taken against that unit.
-    The reported ratio is the median over the rounds: a slow spell of the machine hits a method and
-    its unit together instead of skewing one side."""
+def column(size, grad_dtype, blocks, budget_s, with_torch):
+    """Times every method of one column against the unit, block by block (``paired_ratios``): blocks
+    of unit calls and of method calls alternate for up to ``blocks`` pairs or ``budget_s`` seconds per
+    method, and the cell is the median of the per-block ratios, so a slow spell of the machine hits a
+    method and its unit together instead of skewing one side."""
     shapes = SIZES[size]
     n = sum(int(np.prod(s)) for s in shapes.values())
     grads = make_tree(shapes, grad_dtype, 1)
@@ -320,22 +337,25 @@ def column(size, grad_dtype, reps, rounds, with_torch):
         for kind in ("foreach", "fused"):
             runners[f"torch GradScaler + SGD({kind})"] = torch_runner(shapes, grads_np, kind)
         del grads_np
-    ratios: dict[str, list[float]] = {name: [] for name in runners}
-    units = []
-    for _ in range(rounds):
-        for name, runner in runners.items():
-            u = timeit(unit, reps)
-            units.append(u)
-            ratios[name].append(timeit(runner, reps) / u)
-    rows = {name: float(np.median(r)) for name, r in ratios.items()}
+    ratios: dict[str, list[float]] = {}
+    best: dict[str, float] = {}
+    units: list[float] = []
+    for name, runner in runners.items():
+        mine: list[float] = []
+        its_units: list[float] = []
+        ratios[name] = paired_ratios(unit, runner, blocks, budget_s, its_units, fn_times=mine)
+        best[name] = min(mine) / min(its_units)  # both over the same blocks
+        units += its_units
+    # (median of the per-block ratios, best call of the method / best call of the unit in its blocks)
+    rows = {name: (float(np.median(r)), best[name]) for name, r in ratios.items()}
     return n, float(np.median(units)), rows, temps
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[25, 100])
-    ap.add_argument("--reps", type=int, default=5, help="calls per timing (the best one counts)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of unit-then-method timings (median ratio)")
+    ap.add_argument("--blocks", type=int, default=40, help="pairs of unit/method blocks per method (at most)")
+    ap.add_argument("--budget-s", type=float, default=8.0, help="seconds of blocks per method (at least 10 pairs)")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     try:
@@ -356,7 +376,7 @@ def main():
     for size in args.sizes:
         for dt in (jnp.float32, jnp.bfloat16):
             name = f"{size}M {jnp.dtype(dt).name} grads"
-            n, unit_t, rows, temps = column(size, dt, args.reps, args.rounds, not args.no_torch)
+            n, unit_t, rows, temps = column(size, dt, args.blocks, args.budget_s, not args.no_torch)
             cols.append(name)
             units[name], sizes_n[name], temps_all[name] = unit_t, n, temps
             itemsize[name] = jnp.dtype(dt).itemsize
@@ -365,8 +385,9 @@ def main():
     # grads read once, params read and written once, over one unit (grads read and written)
     floor = {c: (itemsize[c] + 8) / (2 * itemsize[c]) for c in cols}
     print(
-        "\nTime of the post-gradient step in bandwidth units (lower is better); in brackets, the bytes the "
-        "compiled step accesses on a finite step in the same units (deterministic)\n"
+        "\nTime of the post-gradient step in bandwidth units (lower is better): the median of the per-block "
+        "ratios, in square brackets the method's best call over the unit's best call in the same blocks; in round brackets, the "
+        "bytes the compiled step accesses on a finite step in the same units (deterministic)\n"
     )
     print("| method | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
@@ -377,7 +398,7 @@ def main():
         cells = []
         for c in cols:
             b = temps_all[c].get(k, (None,))[0]
-            t = "n/a" if c not in row else f"{row[c]:.2f}"
+            t = "n/a" if c not in row else f"{row[c][0]:.2f} [{row[c][1]:.2f}]"
             cells.append(t if b is None else f"{t} ({b:.2f})")
         print(f"| {k} | " + " | ".join(cells) + " |")
     print(
