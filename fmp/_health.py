@@ -83,12 +83,13 @@ def check_scaler_health(state: Any, grads: Any = None, *, stacklevel: int = 2) -
     else:
         scale, count = 1.0, jax.device_get(skips[0].consecutive_skipped)
         limit, where = _scaler_rule.DEFAULT_MAX_CONSECUTIVE_OVERFLOWS, "skip_nonfinite"
+    facts = dict(where=where, count=int(count), limit=limit, scale=float(scale))
+    if _scaler_rule.health_message(**facts, hint="") is None:
+        return True  # healthy: the gradients are not scanned
     if grads is None:
         hint = _scaler_rule.HINT_NO_LEAVES
     else:
         hint = _scaler_rule.HINT_LEAVES.format(leaves=nonfinite_leaves(grads))
-    msg = _scaler_rule.health_message(where=where, count=int(count), limit=limit, scale=float(scale), hint=hint)
-    if msg is None:
-        return True
+    msg = _scaler_rule.health_message(**facts, hint=hint)
     warnings.warn(msg, ScaleHealthWarning, stacklevel=stacklevel)
     return False

@@ -65,10 +65,6 @@ class _JaxOps:
 
 
 # --- tree helpers ---------------------------------------------------------------------------------------------------
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
 def _checked_leaves(tree: Any, where: str) -> list[tuple[Any, jax.Array]]:
     """``(path, leaf)`` for every leaf that can hold an inf/NaN: float and complex arrays, Python floats.
 
@@ -235,6 +231,10 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
     return jax.tree.map(pick, a, b)
 
 
+# one jitted function for every call (a lambda jitted per call would retrace and recompile each time)
+_leaf_flags = jax.jit(lambda xs: [_leaf_finite(x) for x in xs])
+
+
 def nonfinite_leaves(grads: Any) -> list[str]:
     """Lists the tree paths of the leaves of ``grads`` that hold an inf or NaN (a host-side diagnostic).
 
@@ -256,7 +256,7 @@ def nonfinite_leaves(grads: Any) -> list[str]:
     for path, leaf in _checked_leaves(grads, "nonfinite_leaves(grads)"):
         paths.append(jax.tree_util.keystr(path))
         leaves.append(leaf)
-    flags = jax.device_get(jax.jit(lambda xs: [_leaf_finite(x) for x in xs])(leaves))
+    flags = jax.device_get(_leaf_flags(leaves))
     return [p for p, ok in zip(paths, flags, strict=True) if not bool(ok)]
 
 

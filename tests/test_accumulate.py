@@ -153,3 +153,15 @@ def test_every_k_one_is_the_inner_transformation():
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         fmp.optax.accumulate(optax.sgd(1.0), **kwargs)
+
+
+def test_use_grad_mean_averages_complex_leaves_too():
+    # the mean applies to every inexact leaf: a complex gradient is divided by every_k like a real one
+    params = {"r": jnp.zeros(2, jnp.float32), "c": jnp.zeros(2, jnp.complex64)}
+    opt = fmp.optax.accumulate(optax.sgd(1.0), 2, use_grad_mean=True)
+    state = opt.init(params)
+    grads = {"r": jnp.full(2, 2.0, jnp.float32), "c": jnp.full(2, 2.0 + 2.0j, jnp.complex64)}
+    _, state = opt.update(grads, state, params)
+    updates, state = opt.update(grads, state, params)
+    np.testing.assert_array_equal(updates["r"], np.full(2, -2.0, np.float32))
+    np.testing.assert_array_equal(updates["c"], np.full(2, -2.0 - 2.0j, np.complex64))

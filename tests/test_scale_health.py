@@ -355,3 +355,23 @@ def test_torch_facade_warns_once_per_long_run_of_skipped_steps():
     assert "p.grad.isfinite()" in str(caught[0].message)
     with pytest.raises(ValueError, match="max_consecutive_overflows must be an int >= 1, got 0"):
         fmp.torch.GradScaler("cpu", max_consecutive_overflows=0)
+
+
+def test_nonfinite_leaves_compiles_once_and_a_healthy_check_does_not_scan_the_grads(monkeypatch):
+    from fmp import _health, _scaler
+
+    grads = {"w": jnp.ones(3), "b": jnp.array([jnp.nan])}
+    assert fmp.nonfinite_leaves(grads) == ["['b']"]
+    before = _scaler._leaf_flags._cache_size()
+    assert fmp.nonfinite_leaves({"w": jnp.ones(3), "b": jnp.array([1.0])}) == []
+    assert _scaler._leaf_flags._cache_size() == before  # same structure: no new trace
+
+    scans = []
+    monkeypatch.setattr(_health, "nonfinite_leaves", lambda g: scans.append(g) or ["['b']"])
+    assert fmp.check_scaler_health(fmp.GradScaler(), grads)  # healthy: no scan of the gradients
+    assert scans == []
+    sick = fmp.GradScaler(max_consecutive_overflows=1).update(jnp.array(False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not fmp.check_scaler_health(sick, grads)
+    assert len(scans) == 1 and "['b']" in str(caught[0].message)

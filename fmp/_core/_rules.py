@@ -94,8 +94,15 @@ class RuleSet:
         object.__setattr__(self, "torch_cuda_variants", MappingProxyType(dict(self.torch_cuda_variants)))
         object.__setattr__(self, "banned_messages", MappingProxyType(dict(self.banned_messages)))
         object.__setattr__(self, "jax_epilogue", frozenset(self.jax_epilogue))
+        # the tables never change after this point: compute the key and hash once (autocast hashes the
+        # rule set for its cache on every transformed jaxpr)
+        object.__setattr__(self, "_cached_key", self._build_key())
+        object.__setattr__(self, "_cached_hash", hash(self._cached_key))
 
     def _key(self) -> tuple:
+        return self._cached_key
+
+    def _build_key(self) -> tuple:
         return (
             tuple(self.jax.items()),
             tuple(self.torch_cpu.items()),
@@ -106,7 +113,7 @@ class RuleSet:
         )
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._cached_hash
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RuleSet) and self._key() == other._key()

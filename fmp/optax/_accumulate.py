@@ -100,7 +100,7 @@ def accumulate(
 
         def finish(summed, inner_state, params):
             def cast_back(a, g):
-                if use_grad_mean and every_k > 1 and jnp.issubdtype(a.dtype, jnp.floating):
+                if use_grad_mean and every_k > 1 and jnp.issubdtype(a.dtype, jnp.inexact):  # complex too
                     a = a / jnp.asarray(every_k, a.dtype)
                 return a.astype(jnp.result_type(g))
 

@@ -41,10 +41,6 @@ def _scope(node: torch.fx.Node | None) -> str:
     return str(path)
 
 
-def _numel(v: Any) -> int:
-    return v.numel() if isinstance(v, torch.Tensor) else 0
-
-
 def _flops(op: str, node: torch.fx.Node) -> float:
     """2·M·N·K for matrix products, 2·out·(C_in/g·k) for convolutions, 0 otherwise."""
     out = node.meta.get("val")
