@@ -188,7 +188,7 @@ def torch_runner(batch: int, optimizer: str, scaled: bool):
     import torch.nn.functional as F
 
     params = jax.tree.map(lambda x: torch.from_numpy(np.array(x)).requires_grad_(), init_params(jax.random.key(0)))
-    leaves = [x for x in jax.tree.leaves(params)]
+    leaves = jax.tree.leaves(params)
     tokens = torch.from_numpy(np.array(jax.random.randint(jax.random.key(1), (batch, SEQ), 0, VOCAB))).long()
     mask = torch.tril(torch.ones(SEQ - 1, SEQ - 1, dtype=torch.bool))
 

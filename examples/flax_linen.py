@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 import fmp
+import fmp.optax
 
 
 class Block(nn.Module):
@@ -69,7 +70,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import fmp.optax
-
     with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes dtypes in its bias correction
         main()

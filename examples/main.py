@@ -88,7 +88,7 @@ class Float32Eval:
         self.value_and_grad = jax.jit(jax.value_and_grad(make_loss(model)))
 
 
-def make_step(loss_fn, policy: str | None, scaled: bool, tx: optax.GradientTransformation):
+def make_step(loss_fn, policy: str | None, tx: optax.GradientTransformation):
     """One jitted train step; a disabled GradScaler makes the unscaled runs use the same code path."""
     fn = loss_fn if policy is None else fmp.autocast(loss_fn, policy)
 
@@ -116,7 +116,7 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
     x_tr, x_te, y_tr, y_te = data
     loss_fn = make_loss(model)
     tx = optax.adam(args.lr)
-    fn, step = make_step(loss_fn, policy, scaled, tx)
+    fn, step = make_step(loss_fn, policy, tx)
     params = jax.tree.map(jnp.copy, init_params)
     opt_state = tx.init(params)
     scaler = fmp.GradScaler(init_scale=args.init_scale, growth_interval=args.growth_interval, enabled=scaled)

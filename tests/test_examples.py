@@ -33,6 +33,7 @@ FAST = {
     "torch_facade": ("torch_facade.py", "--fast"),
     "torch_fx": ("torch_fx.py", "--fast"),
     "apex_migration": ("apex_migration.py", "--fast"),
+    "accumulation": ("accumulation.py", "--fast"),
     "main": ("main.py", "--steps", "100", "--runs", "float32,float16+scaling,float16", "--no-plot", "--quiet"),
 }
 _futures: dict[str, concurrent.futures.Future] = {}
@@ -157,3 +158,9 @@ def test_examples_extra_covers_the_main_job():
     assert "torch" not in third_party
     missing = sorted(m for m in third_party if dist_of.get(m, m) not in dists)
     assert not missing, f"examples/main.py imports {missing}, not in the 'examples' extra or the dependencies"
+
+
+def test_accumulation():
+    out = _out("accumulation")
+    # accumulate skips exactly the effective batches that held a bad micro-batch; MultiSteps skips more
+    assert "skipped exactly the" in out and out.rstrip().endswith("OK")
