@@ -27,6 +27,12 @@ EAGER_FAILS = {
     "support ('could not create a primitive descriptor'); the transform raises the same RuntimeError",
 }
 
+# Outputs an op leaves undefined: only their dtype and shape are compared. mkldnn_rnn_layer's
+# last output is oneDNN's uint8 workspace, uninitialised scratch bytes that differ from call to call.
+UNDEFINED_OUTPUTS = {
+    "aten::mkldnn_rnn_layer": {3},
+}
+
 # Ops eager torch.autocast itself does not reproduce bit for bit: compared to 1e-5.
 NOT_REPRODUCIBLE = {
     "aten::linalg_lstsq": "MKL's gelsy result depends on buffer alignment: two eager calls on copies of the same "
@@ -48,16 +54,18 @@ def _convert(tree, dtype):
     return torch.utils._pytree.tree_map(leaf, tree)
 
 
-def _assert_bitwise(got, expected, exact=True):
+def _assert_bitwise(got, expected, exact=True, undefined=frozenset()):
     got_leaves = torch.utils._pytree.tree_leaves(got)
     exp_leaves = torch.utils._pytree.tree_leaves(expected)
     assert len(got_leaves) == len(exp_leaves)
-    for g, e in zip(got_leaves, exp_leaves, strict=True):
+    for i, (g, e) in enumerate(zip(got_leaves, exp_leaves, strict=True)):
         if not isinstance(e, torch.Tensor):
             assert g == e
             continue
         assert g.dtype == e.dtype
         assert g.shape == e.shape
+        if i in undefined:
+            continue
         if e.is_complex():
             g, e = torch.view_as_real(g.resolve_conj()), torch.view_as_real(e.resolve_conj())
         assert torch.equal(g.isnan(), e.isnan())
@@ -83,7 +91,9 @@ def _run(op, key, args, kwargs, dtype, device="cpu"):
     gm = fmp.torch.autocast_fx(one_op, (args, kwargs), (device, dtype))
     keys = [op_key(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
     assert key in keys, f"the traced graph does not contain {key}: {keys}"
-    _assert_bitwise(gm(args, kwargs), expected, exact=key not in NOT_REPRODUCIBLE)
+    _assert_bitwise(
+        gm(args, kwargs), expected, exact=key not in NOT_REPRODUCIBLE, undefined=UNDEFINED_OUTPUTS.get(key, frozenset())
+    )
     return True
 
 
