@@ -70,6 +70,7 @@ def launch(run: str, args: argparse.Namespace) -> list[str]:
 def jax_worker(rank: int, port: str, steps: int, fault_step: int) -> str:
     import jax
 
+    # --8<-- [start:jax]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=NPROC, process_id=rank)
 
@@ -94,12 +95,12 @@ def jax_worker(rank: int, port: str, steps: int, fault_step: int) -> str:
     # Params and the optimizer state (scaler included) are global, replicated arrays.
     params, state = jax.device_put((params, opt.init(params)), replicated)
 
-    @jax.jit
+    fp16_loss = fmp.autocast(loss_fn, "mixed_float16")
+
+    @jax.jit  # the same step as on one device
     def step(params, state, x, y):
         scaler = fmp.optax.current_scaler(state)
-        loss, grads = jax.value_and_grad(lambda p: scaler.scale(fmp.autocast(loss_fn, "mixed_float16")(p, x, y)))(
-            params
-        )
+        loss, grads = jax.value_and_grad(lambda p: scaler.scale(fp16_loss(p, x, y)))(params)
         updates, state = opt.update(grads, state, params)  # one finite flag for the whole global batch
         return optax.apply_updates(params, updates), state, loss / scaler.loss_scale
 
@@ -116,6 +117,7 @@ def jax_worker(rank: int, port: str, steps: int, fault_step: int) -> str:
         if rank == 0 and (i % max(1, steps // 4) == 0 or i in (fault_step - 1, fault_step)):
             print(f"jax step {i:3d}  loss {float(loss):.4f}  scale {stats['loss_scale']:g}  "
                   f"skipped {stats['skipped_steps']}", flush=True)  # fmt: skip
+    # --8<-- [end:jax]
     host = multihost_utils.process_allgather(params, tiled=True)  # a no-op for replicated params
     digest = hashlib.sha256(b"".join(np.asarray(v).tobytes() for v in jax.tree.leaves(host))).hexdigest()[:16]
     stats = fmp.optax.scaler_stats(state)
@@ -130,6 +132,7 @@ def torch_worker(run: str, rank: int, port: str, steps: int, fault_step: int) ->
 
     import fmp.torch as amp
 
+    # --8<-- [start:torch]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NPROC)
     torch.manual_seed(0)  # same initial params on every rank
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
@@ -165,6 +168,7 @@ def torch_worker(run: str, rank: int, port: str, steps: int, fault_step: int) ->
         skipped += scaler.get_scale() < scale  # the scale backs off exactly on skipped steps
         if rank == 0 and (i % max(1, steps // 4) == 0 or i in (fault_step - 1, fault_step)):
             print(f"{run} step {i:3d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}  skipped {skipped}")
+    # --8<-- [end:torch]
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # gathers shards
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in full)).hexdigest()[:16]
     dist.barrier()
