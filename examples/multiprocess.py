@@ -45,7 +45,7 @@ def launch(run: str, args: argparse.Namespace) -> list[str]:
     ]
     deadline = time.monotonic() + args.timeout
     try:  # wait for all; stop early when one fails (its peers would wait for it until their own timeouts)
-        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+        while None in (codes := [p.poll() for p in procs]) and not any(codes):  # poll every process each time
             if time.monotonic() > deadline:
                 break
             time.sleep(0.2)

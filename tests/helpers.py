@@ -107,12 +107,12 @@ def run_processes(argv_of, n: int, *, env: dict[str, str], timeout: float) -> li
         ]
         deadline, failed = time.monotonic() + timeout, None
         try:
-            while any(p.poll() is None for p in procs):
+            while None in (codes := [p.poll() for p in procs]):  # poll every process, every time
+                if any(c not in (None, 0) for c in codes):
+                    failed = "a process failed"
+                    break
                 if time.monotonic() > deadline:
                     failed = f"timed out after {timeout:.0f} s"
-                    break
-                if any(p.returncode not in (None, 0) for p in procs):
-                    failed = "a process failed"
                     break
                 time.sleep(0.2)
         finally:
