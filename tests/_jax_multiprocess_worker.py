@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from functools import partial
 
 import jax
@@ -204,7 +205,14 @@ out["local_shards_with_inf"] = sum(
     not np.all(np.isfinite(np.asarray(s.data))) for s in shard_params(g)["w1"].addressable_shards
 )
 
-# 6. scaler_stats refuses, with a fix-it message, a counter sharded over the devices of both processes.
+# 6. check_scaler_health on a replicated state, and on an alarming one with sharded gradients: same on both.
+out["health_ok"] = fmp.check_scaler_health(full["state"])
+alarmed = jax.device_put(fmp.GradScaler(max_consecutive_overflows=1), REP).update(jnp.array(False))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out["health_alarm"] = [fmp.check_scaler_health(alarmed, shard_params(g)), str(caught[0].message)]
+
+# 7. scaler_stats refuses, with a fix-it message, a counter sharded over the devices of both processes.
 per_device = jax.make_array_from_process_local_data(ROWS, np.zeros(jax.local_device_count(), np.int32))
 try:
     fmp.optax.scaler_stats(full["state"]._replace(skipped_steps=per_device))

@@ -94,3 +94,11 @@ def test_orbax_checkpoint_written_by_both_processes_resumes_bitwise(results):
 def test_scaler_stats_refuses_a_counter_sharded_across_processes(results):
     msg = results[0]["stats_error"]
     assert msg and "skipped_steps is a global array" in msg and "process_allgather" in msg
+
+
+@pytest.mark.gallery
+def test_check_scaler_health_on_global_arrays(results):
+    r = results[0]
+    assert r["health_ok"] is True
+    healthy, msg = r["health_alarm"]
+    assert healthy is False and "1 non-finite steps in a row" in msg and "[\"['w1']\"]" in msg, msg
