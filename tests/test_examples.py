@@ -184,3 +184,11 @@ def test_multiprocess():
     }
     assert all(digests.values()), out
     assert digests["ddp"].group(1) == digests["fsdp2"].group(1)
+
+
+def test_docs_include_existing_example_sections():
+    """Every ``--8<-- "examples/x.py:name"`` in docs/ names a section the example marks (else the page shows nothing)."""
+    for page in (ROOT / "docs").rglob("*.md"):
+        for path, name in re.findall(r'--8<-- "(examples/[\w./]+\.py):(\w+)"', page.read_text()):
+            text = (ROOT / path).read_text()
+            assert f"# --8<-- [start:{name}]" in text and f"# --8<-- [end:{name}]" in text, (page, path, name)
