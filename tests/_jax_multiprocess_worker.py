@@ -110,7 +110,7 @@ def optax_run(dist: bool, opt, params, steps=range(STEPS), state=None) -> dict:
         return optax.apply_updates(p, u), st
 
     state = opt.init(params) if state is None else state
-    if dist and state is not None:
+    if dist:  # global arrays: w1 sharded over both processes, the rest replicated
         params, state = shard_params(params), jax.device_put(state, REP)
     skipped = []
     for i in steps:
