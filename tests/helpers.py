@@ -78,3 +78,57 @@ def load_bench(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (for a coordinator or a gloo rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(argv_of, n: int, *, env: dict[str, str], timeout: float) -> list[str]:
+    """Starts ``n`` processes ``argv_of(i)`` at once and returns their stdouts, in process order.
+
+    Every process is killed when the ``timeout`` (seconds, for all of them together) runs out or as soon as one
+    exits non-zero: its peers would otherwise wait for it until their collectives' own timeouts. Raises
+    AssertionError with every process's exit status and the tail of its output on any failure.
+    """
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [(open(f"{tmp}/out{i}", "w+"), open(f"{tmp}/err{i}", "w+")) for i in range(n)]  # noqa: SIM115
+        procs = [
+            subprocess.Popen(argv_of(i), stdout=o, stderr=e, env=env, cwd=ROOT, text=True)
+            for i, (o, e) in enumerate(logs)
+        ]
+        deadline, failed = time.monotonic() + timeout, None
+        try:
+            while None in (codes := [p.poll() for p in procs]):  # poll every process, every time
+                if any(c not in (None, 0) for c in codes):
+                    failed = "a process failed"
+                    break
+                if time.monotonic() > deadline:
+                    failed = f"timed out after {timeout:.0f} s"
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        texts = []
+        for o, e in logs:
+            o.seek(0), e.seek(0)
+            texts.append((o.read(), e.read()))
+            o.close(), e.close()
+    if failed is None and all(p.returncode == 0 for p in procs):
+        return [t[0] for t in texts]
+    report = "\n".join(
+        f"--- process {i}: exit {p.returncode}\n{out[-3000:]}\n{err[-6000:]}"
+        for i, (p, (out, err)) in enumerate(zip(procs, texts, strict=True))
+    )
+    raise AssertionError(f"{failed or 'a process failed'}:\n{report}")

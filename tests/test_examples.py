@@ -164,3 +164,36 @@ def test_accumulation():
     out = _out("accumulation")
     # accumulate skips exactly the effective batches that held a bad micro-batch; MultiSteps skips more
     assert "skipped exactly the" in out and out.rstrip().endswith("OK")
+
+
+@pytest.mark.gallery
+def test_multiprocess():
+    """2 local processes per run (JAX, torch DDP, torch FSDP2); process 1 alone feeds an inf at step 5."""
+    out = _run("multiprocess.py", "--fast", timeout=500)
+    for run in ("jax", "ddp", "fsdp2"):
+        assert re.search(rf"^{run}: .*processes agree bit for bit: True$", out, re.M), out
+        # the fault step is skipped on process 0 too: its scale halves and its skip count grows there
+        before = re.search(rf"^{run} step +4 .* scale (\d+) +skipped (\d+)$", out, re.M)
+        fault = re.search(rf"^{run} step +5 .* scale (\d+) +skipped (\d+)$", out, re.M)
+        assert before and fault, out
+        assert int(fault.group(1)) * 2 == int(before.group(1)) and int(fault.group(2)) == int(before.group(2)) + 1
+    # bfloat16 never overflows at 2**16: the torch runs skip the fault step only, and DDP and FSDP2 agree
+    digests = {
+        run: re.search(rf"^{run}: 2 processes, skipped 1 of 12; .* params (\w+);", out, re.M)
+        for run in ("ddp", "fsdp2")
+    }
+    assert all(digests.values()), out
+    assert digests["ddp"].group(1) == digests["fsdp2"].group(1)
+
+
+def test_docs_include_existing_example_sections():
+    """Every ``--8<-- "examples/x.py:name"`` in docs/ names a section the example marks (else the page shows nothing)."""
+    found = [
+        (page, path, name)
+        for page in (ROOT / "docs").rglob("*.md")
+        for path, name in re.findall(r'--8<-- "(examples/[\w./]+\.py):(\w+)"', page.read_text())
+    ]
+    assert len(found) >= 2  # the multi-process guide's JAX and torch recipes at least
+    for page, path, name in found:
+        text = (ROOT / path).read_text()
+        assert f"# --8<-- [start:{name}]" in text and f"# --8<-- [end:{name}]" in text, (page, path, name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -105,3 +106,75 @@ def test_every_device_skips_together():
     assert no_axis["scales"] == [1024.0] * 3 + [512.0] + [1024.0] * 4
     # all_finite: local flag on the device holding the NaN only; all-reduced flag everywhere
     assert out["flags"] == [[i != 2, False] for i in range(8)]
+
+
+COLLECTIVES = """
+import json, re
+from functools import partial
+import jax, jax.numpy as jnp, optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import fmp, fmp.optax
+
+mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+params = {**{f"w{i}": jnp.full((64, 64), 0.01) for i in range(4)}, **{f"b{i}": jnp.zeros(64) for i in range(4)}}
+x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("d")))
+
+def loss_fn(p, x):
+    h = x
+    for i in range(4):
+        h = jnp.tanh(h @ p[f"w{i}"] + p[f"b{i}"])
+    return jnp.mean(h ** 2)
+
+def all_reduces(f, *args):
+    txt = jax.jit(f).lower(*args).compile().as_text()
+    ops = [l.split(" = ", 1)[1].split(" all-reduce")[0] for l in txt.splitlines() if re.search(r" all-reduce(-start)?\\(", l)]
+    # XLA combines all-reduces into tuples as it sees fit: count the operands, by shape
+    return {"ops": len(ops), "operands": sorted(s for op in ops for s in re.findall(r"[a-z]+[0-9]*\\[[0-9,]*\\]", op))}
+
+def plain(p, x):
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss_fn)(p, x))
+
+opt = fmp.optax.loss_scaled(optax.sgd(0.1), fmp.GradScaler())
+
+def fmp_step(p, st, x):
+    g = jax.grad(lambda q: fmp.optax.current_scaler(st).scale(loss_fn(q, x)))(p)
+    u, st = opt.update(g, st, p)
+    return optax.apply_updates(p, u), st
+
+out = {}
+rep = NamedSharding(mesh, P())
+st = jax.device_put(opt.init(params), rep)
+for name, sh in [("data_parallel", lambda v: rep), ("sharded_params", lambda v: NamedSharding(mesh, P(None, "d") if v.ndim == 2 else P()))]:
+    p = {k: jax.device_put(v, sh(v)) for k, v in params.items()}
+    out[name] = {"plain": all_reduces(plain, p, x), "fmp": all_reduces(fmp_step, p, st, x)}
+
+sm_opt = fmp.optax.loss_scaled(optax.sgd(0.1), fmp.GradScaler(), axis_name="d")
+@partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=(P(), P()))
+def sm_step(p, st, x):
+    g = jax.lax.pmean(jax.grad(lambda q: fmp.optax.current_scaler(st).scale(loss_fn(q, x)))(p), "d")
+    u, st = sm_opt.update(g, st, p)
+    return optax.apply_updates(p, u), st
+@partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+def sm_plain(p, x):
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.lax.pmean(jax.grad(loss_fn)(p, x), "d"))
+p = jax.device_put(params, rep)
+out["shard_map"] = {"plain": all_reduces(sm_plain, p, x), "fmp": all_reduces(sm_step, p, jax.device_put(sm_opt.init(params), rep), x)}
+print(json.dumps(out))
+"""
+
+
+def test_the_skip_decision_costs_at_most_one_all_reduce_of_scalars():
+    """What the finite check adds to a compiled step on 8 devices: nothing, or one all-reduce of a few scalars.
+
+    Data parallel (replicated params): every device holds the all-reduced gradients and computes the same flag
+    locally; params sharded: one all-reduce of one scalar per sharded leaf (XLA combines them); shard_map with
+    ``axis_name``: one all-reduce of an int32 scalar. Never a gradient-sized collective.
+    """
+    out = json.loads(run_with_devices(COLLECTIVES).strip().splitlines()[-1])
+    for case, extra in [("data_parallel", []), ("sharded_params", ["f32[]"] * 4), ("shard_map", ["s32[]"])]:
+        plain, ours = out[case]["plain"], out[case]["fmp"]
+        assert plain["operands"], (case, plain)  # the gradient all-reduce is there
+        added = list((collections.Counter(ours["operands"]) - collections.Counter(plain["operands"])).elements())
+        assert not collections.Counter(plain["operands"]) - collections.Counter(ours["operands"]), (case, out[case])
+        assert sorted(added) == extra, (case, out[case])  # scalars only: one per sharded leaf, or one flag
+        assert ours["ops"] <= plain["ops"] + (1 if extra else 0), (case, out[case])

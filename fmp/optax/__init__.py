@@ -13,6 +13,7 @@ from fmp.optax._loss_scaled import skip_nonfinite as skip_nonfinite
 from fmp.optax._master_weights import MasterWeightsState as MasterWeightsState
 from fmp.optax._master_weights import master_params as master_params
 from fmp.optax._master_weights import master_weights as master_weights
+from fmp.optax._stats import scaler_stats as scaler_stats
 
 __all__ = [
     "AccumulateState",
@@ -24,5 +25,6 @@ __all__ = [
     "loss_scaled",
     "master_params",
     "master_weights",
+    "scaler_stats",
     "skip_nonfinite",
 ]
