@@ -80,7 +80,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_found_inf_is_summed_over_the_group():
+def test_found_inf_is_reduced_over_the_group():
 
     port = str(_free_port())
     procs = []
@@ -115,3 +115,29 @@ def test_found_inf_is_summed_over_the_group():
     # and so does the fused-optimizer path (torch's ShardedGradScaler does not all-reduce there)
     assert r0["fused_synced"]["skipped"] == r1["fused_synced"]["skipped"] == [False, True, False]
     assert r0["fused_synced"]["scales"] == r1["fused_synced"]["scales"] == [64.0, 32.0, 32.0]
+
+
+def test_found_inf_is_a_flag_for_every_optimizer_path():
+    """found_inf stays 0/1 after the cross-rank reduction, wherever the inf came from.
+
+    A SUM gave 2.0 when more than one rank saw the inf; torch's fused Adam/SGD skip only on 1.0 and subtract
+    the flag from their step counts, so they stepped on inf gradients (NaN parameters, Adam's step 1 -> -1).
+    """
+    from tests.torch.dist_launch import launch
+
+    ranks = launch("tests.torch.dist_found_inf_worker", timeout=240)
+    assert ranks[0].keys() == ranks[1].keys()
+    assert len(ranks[0]) == 4 * 7 - 1  # (one, every, ddp, fsdp2) x 7 optimizer paths; fsdp2 has no fused SGD
+    for name, r0 in ranks[0].items():
+        r1 = ranks[1][name]
+        for r in (r0, r1):
+            assert r["skipped"] == [False, True, False], name
+            assert r["scales"] == [64.0, 32.0, 32.0], name
+            assert r["finite"], name
+            # Adam and its fused kernel count only the steps they took
+            assert r["steps"] in ([], [2.0] * len(r["steps"])), name
+            if "equal_to_torch" in r:
+                assert r["ref_scales"] == r["scales"], name
+                assert r["equal_to_torch"], name
+        # a reference exists for every case except the fused ones with the inf on one rank
+        assert ("equal_to_torch" in r0) == (not (name.startswith("one/") and "fused" in name)), name
