@@ -369,19 +369,14 @@ class GradScaler:
                 scale.copy_(new_scale)
         else:
             flags = [
-                flag.to(device=scale.device, non_blocking=True)
-                for state in self._per_optimizer_states.values()
-                for flag in state["found_inf_per_device"].values()
+                flag for state in self._per_optimizer_states.values() for flag in state["found_inf_per_device"].values()
             ]
             if not flags:
                 raise AssertionError(MSG_NO_INF_CHECKS)
-            found = flags[0]
-            for flag in flags[1:]:
-                found = found + flag
             new, new_tracker = _scaler_rule.update_scale(
                 scale,
                 tracker,
-                found != 0,
+                one_flag(flags, scale.device) != 0,
                 growth_factor=self._growth_factor,
                 backoff_factor=self._backoff_factor,
                 growth_interval=self._growth_interval,

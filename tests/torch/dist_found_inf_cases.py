@@ -1,14 +1,12 @@
-"""One rank of the found_inf regression matrix (launched by test_torch_process_group.py, 2 ranks, gloo).
+"""``fmp.torch.GradScaler(process_group=...)`` cases, run on every rank by ``dist_worker`` (2 ranks, gloo).
 
-``fmp.torch.GradScaler(process_group=WORLD)`` against torch's own scalers, for every place the inf can come
-from (one rank's gradient, every rank's gradient, spread by DDP's all-reduce, spread by FSDP2's DTensor
-check) and every optimizer path (foreach, per-param, fused). Prints ``RESULT <json>``.
+:func:`found_inf_suite`: the regression matrix of the found_inf flag, against torch's own scalers, for every
+place the inf can come from (one rank's gradient, every rank's gradient, spread by DDP's all-reduce, spread by
+FSDP2's DTensor check) and every optimizer path (foreach, per-param, fused).
+:func:`group_suite`: process groups with and without DDP, a rank without gradients, no group at all.
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -75,19 +73,18 @@ def run(where: str, opt_name: str, make_scaler, rank: int) -> dict:
     return {"skipped": skipped, "scales": scales, "params": torch.stack(snapshots), "steps": steps}
 
 
-def main() -> None:
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
-    if "fsdp2" in WHERE:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        init_device_mesh("cpu", (dist.get_world_size(),))
+def found_inf_suite(rank: int) -> dict:
     results = {}
     for where in WHERE:
         for opt_name in OPTIMIZERS:
             if where == "fsdp2" and opt_name == "sgd_fused":
                 continue  # torch 2.13: aten._fused_sgd_ has no DTensor sharding strategy
-            ours = run(where, opt_name, lambda: fmp.torch.GradScaler("cpu", init_scale=64.0, process_group=dist.group.WORLD), rank)
+            ours = run(
+                where,
+                opt_name,
+                lambda: fmp.torch.GradScaler("cpu", init_scale=64.0, process_group=dist.group.WORLD),
+                rank,
+            )
             case = {
                 "skipped": ours["skipped"],
                 "scales": ours["scales"],
@@ -106,12 +103,50 @@ def main() -> None:
                 case["ref_scales"] = ref["scales"]
                 case["equal_to_torch"] = bool(torch.equal(ours["params"], ref["params"]))
             results[f"{where}/{opt_name}"] = case
-    dist.barrier()
-    print("RESULT " + json.dumps(results), flush=True)
-    os._exit(0)  # skip the slow interpreter teardown of gloo's threads
+    return results
 
 
 WHERE = ("one", "every", "ddp", "fsdp2")
 
-if __name__ == "__main__":
-    main()
+
+def _group_loop(rank: int, *, group, ddp: bool, inject: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = fmp.torch.GradScaler("cpu", init_scale=64.0, growth_interval=100, process_group=group)
+    torch.manual_seed(1 + rank)
+    scales, skipped = [], []
+    for step in range(3):
+        opt.zero_grad()
+        x = torch.randn(8, 4)
+        if inject == "input" and step == 1 and rank == 1:
+            x[0, 0] = float("inf")
+        with fmp.torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = net(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if inject == "grad" and step == 1 and rank == 1:
+            model.weight.grad[0, 0] = float("inf")  # after DDP's all-reduce: this rank only
+        before = model.weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(bool(torch.equal(before, model.weight.detach())))
+        scales.append(scaler.get_scale())
+    return {"scales": scales, "skipped": skipped, "w": model.weight.detach().flatten().tolist()}
+
+
+def group_suite(rank: int) -> dict:
+    p = torch.nn.Parameter(torch.ones(2))
+    if rank == 0:
+        p.grad = torch.tensor([float("inf"), 1.0])
+    scaler = fmp.torch.GradScaler("cpu", init_scale=64.0, process_group=dist.group.WORLD)
+    scaler.scale(torch.ones(()))
+    scaler.step(torch.optim.SGD([p], lr=0.1))
+    scaler.update()
+    return {
+        "no_grads_on_rank1": scaler.get_scale(),
+        "synced": _group_loop(rank, group=dist.group.WORLD, ddp=True, inject="grad"),
+        "unsynced": _group_loop(rank, group=None, ddp=True, inject="grad"),
+        "plain_ddp": _group_loop(rank, group=None, ddp=True, inject="input"),
+        "no_ddp_synced": _group_loop(rank, group=dist.group.WORLD, ddp=False, inject="grad"),
+    }
