@@ -311,3 +311,15 @@ def test_fsdp_matrix_matches_torch_bitwise(dist_results):
             assert r0["theirs"]["scales"] != r1["theirs"]["scales"], name
         if name.endswith("_unscale"):
             assert "doesn't match the broadcast shape" in r0["theirs_error"], name
+
+
+def test_grown_scale_that_overflows_is_not_taken():
+    """torch's CPU path takes an inf scale (every later step is skipped); fmp keeps _amp_update_scale_'s guard."""
+    scales = {}
+    for name, cls in IMPLS.items():
+        s = cls("cpu", init_scale=2.0**127, growth_interval=1)
+        s.scale(torch.ones(()))
+        s.step(_opt())
+        s.update()
+        scales[name] = s.get_scale()
+    assert scales == {"torch": float("inf"), "fmp": 2.0**127}
