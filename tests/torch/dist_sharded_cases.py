@@ -22,7 +22,7 @@ STEPS = 4
 INF_STEP = 1
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "none": None}
 
-KEYS = ("skipped", "scales", "loss_dtypes", "state_dict")
+KEYS = ("skipped", "scales", "loss_dtypes", "state_dict", "flags")
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -73,6 +73,8 @@ def run(wrapper: str, param: str, reduce: str, opt_name: str, make_scaler, rank:
             torch.nn.utils.clip_grad_norm_(params, 1e3)
         before = [_local(p).detach().clone() for p in params]
         scaler.step(opt)
+        if step == INF_STEP:
+            flags = [float(f.max()) for f in scaler._found_inf_per_device(opt).values()]
         scaler.update()
         after = [_local(p).detach().clone() for p in params]
         skipped.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
@@ -84,6 +86,7 @@ def run(wrapper: str, param: str, reduce: str, opt_name: str, make_scaler, rank:
         "params": torch.stack(snapshots),
         "loss_dtypes": sorted(loss_dtypes),
         "state_dict": scaler.state_dict(),
+        "flags": flags,
     }
 
 

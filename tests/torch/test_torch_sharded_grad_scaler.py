@@ -301,11 +301,15 @@ def test_fsdp_matrix_matches_torch_bitwise(dist_results):
             assert r["ours"]["scales"] == [256.0, 128.0, 128.0, 256.0], name
             assert r["ours"]["loss_dtypes"] == [param_dtype], name
             assert r["finite"], name
+            assert r["ours"]["flags"] == [1.0], name  # one 0/1 flag, whatever the path
             if _torch_is_right(name):
                 assert r["equal_steps"] == [True] * 4, name
                 assert r["theirs"]["scales"] == r["ours"]["scales"], name
                 assert r["theirs"]["state_dict"] == r["ours"]["state_dict"], name
                 assert r["theirs"]["loss_dtypes"] == r["ours"]["loss_dtypes"], name
+        if name.startswith("fsdp2/") and "fused" not in name:
+            # torch's SUM over a flag FSDP2's DTensor check already reduced: 2.0 on every rank
+            assert r0["theirs"]["flags"] == r1["theirs"]["flags"] == [2.0], name
         if not _torch_is_right(name) and name.endswith("/adam_fused"):
             # torch 2.13 on FSDP1: rank 0 never saw the inf, steps and grows its scale; rank 1 skips
             assert r0["theirs"]["scales"] != r1["theirs"]["scales"], name
