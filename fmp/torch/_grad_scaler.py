@@ -3,16 +3,22 @@
 The class keeps torch's names, signatures, per-optimizer stages, exception types
 and messages (``torch.amp.GradScaler`` 2.13), and its private attribute names
 (``_scale``, ``_growth_tracker``, ``_per_optimizer_states``, ...) so code that
-peeks at them keeps working. Two things are fmp's own:
+peeks at them keeps working. What is fmp's own:
 
 * the scale / growth-tracker update goes through
   :func:`fmp._core._scaler_rule.update_scale` (the rule the JAX ``GradScaler``
-  uses) with a torch array adapter, and the checkpoint goes through
-  ``make_state_dict`` / ``parse_state_dict``, so a ``state_dict()`` loads into
-  ``fmp.GradScaler.from_state_dict`` and back;
+  uses) with a torch array adapter; settings and checkpoint live in
+  :mod:`fmp.torch._scaler_state` (a ``state_dict()`` loads into
+  ``fmp.GradScaler.from_state_dict`` and back);
 * ``process_group=``: the inf flags are made one 0/1 flag and all-reduced (MAX)
   over the group in :meth:`GradScaler.unscale_`, so every rank skips the same
-  steps, fused optimizers included (see :mod:`fmp.torch._found_inf`).
+  steps, fused optimizers included;
+* a fused optimizer always gets a 0/1 ``found_inf`` (torch sums the per-device
+  flags); see :mod:`fmp.torch._found_inf`.
+
+The hooks ``_allow_fp16``, ``_found_inf_shape``, ``_coalesce_fp16``,
+``_found_inf_group``, ``_check_output``, ``_scaled`` and ``_update_ops`` are
+what :class:`fmp.torch.ShardedGradScaler` overrides.
 
 Unscaling calls torch's own ``_amp_foreach_non_finite_check_and_unscale_``
 kernel once per (device, dtype) bucket, so unscaled gradients are bit-identical
