@@ -391,7 +391,7 @@ class GradScaler(ScalerSettings):
             self._consecutive_overflows += 1
             if self._consecutive_overflows == self._max_consecutive_overflows:
                 msg = _scaler_rule.health_message(
-                    where="fmp.torch.GradScaler",
+                    where=f"fmp.torch.{type(self).__name__}",
                     count=self._consecutive_overflows,
                     limit=self._max_consecutive_overflows,
                     scale=self.get_scale(),

@@ -327,3 +327,14 @@ def test_grown_scale_that_overflows_is_not_taken():
         s.update()
         scales[name] = s.get_scale()
     assert scales == {"torch": float("inf"), "fmp": 2.0**127}
+
+
+def test_health_warning_names_the_sharded_scaler():
+    s = fmp.torch.ShardedGradScaler("cpu", max_consecutive_overflows=2)
+    with pytest.warns(fmp.ScaleHealthWarning, match=r"^fmp\.torch\.ShardedGradScaler: 2 non-finite steps in a row"):
+        for _ in range(2):
+            o = _opt()
+            o.param_groups[0]["params"][0].grad[0] = float("nan")
+            s.scale(torch.ones(()))
+            s.step(o)
+            s.update()
