@@ -38,7 +38,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from fmp._core import _scaler_rule
-from fmp.torch._found_inf import PerDevice, TorchOps, all_reduce_flag, coalesce_in_place, one_flag, unscale_and_check
+from fmp.torch._found_inf import PerDevice, all_reduce_flag, coalesce_in_place, one_flag, unscale_and_check
 from fmp.torch._scaler_messages import (
     MSG_BACKOFF,
     MSG_CLOSURE,
@@ -56,10 +56,9 @@ from fmp.torch._scaler_messages import (
     MSG_WHERE_TORCH,
 )
 from fmp.torch._scaler_state import ScalerSettings
+from fmp.torch._torch_ops import TORCH_OPS
 
 __all__ = ["GradScaler"]
-
-TORCH_OPS = TorchOps()
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from fmp._core import _scaler_rule
-from fmp.torch._found_inf import TorchOps, coalesce_via_float32
+from fmp.torch._found_inf import coalesce_via_float32
 from fmp.torch._grad_scaler import GradScaler
 from fmp.torch._scaler_messages import MSG_UNSUPPORTED_DEVICE
+from fmp.torch._torch_ops import TorchOps
 
 __all__ = ["ShardedGradScaler"]
 
