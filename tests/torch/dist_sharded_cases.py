@@ -44,6 +44,8 @@ def _wrap(wrapper: str, param: str, reduce: str):
     if wrapper == "fsdp1":
         mp = MixedPrecision(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce], buffer_dtype=DTYPES[param])
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"), mixed_precision=mp)
+    if wrapper == "ddp":  # float32, the gradients all-reduced before the inf is written
+        return torch.nn.parallel.DistributedDataParallel(model)
     if wrapper == "fsdp1_fp16_model":  # no mixed precision: the model itself is float16, so are its gradients
         return FullyShardedDataParallel(model.half(), device_id=torch.device("cpu"))
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[param], reduce_dtype=DTYPES[reduce])
@@ -97,6 +99,8 @@ def cases():
         yield (wrapper, param, reduce, opt_name)
     for opt_name in OPTIMIZERS:
         yield ("fsdp1_fp16_model", "fp16", "none", opt_name)
+    for opt_name in ("sgd", "adam_fused"):
+        yield ("ddp", "fp32", "none", opt_name)
 
 
 def sharded_suite(rank: int) -> dict:

@@ -290,11 +290,11 @@ def _torch_is_right(name: str) -> bool:
 def test_fsdp_matrix_matches_torch_bitwise(dist_results):
     r0s, r1s = (r["sharded"] for r in dist_results)
     assert r0s.keys() == r1s.keys()
-    # FSDP1 and FSDP2 x bf16/fp16 params x fp32/None reduce x 4 optimizer paths, and a float16 FSDP1 model
-    assert len(r0s) == 2 * 2 * 2 * 4 + 4
+    # FSDP1 and FSDP2 x bf16/fp16 params x fp32/None reduce x 4 optimizer paths, a float16 FSDP1 model, DDP
+    assert len(r0s) == 2 * 2 * 2 * 4 + 4 + 2
     for name, r0 in r0s.items():
         r1 = r1s[name]
-        param_dtype = "torch.bfloat16" if "/bf16/" in name else "torch.float16"
+        param_dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}[name.split("/")[1]]
         for r in (r0, r1):
             # every rank skips the step where rank 1 alone had the inf, and the scales agree
             assert r["ours"]["skipped"] == [False, True, False, False], name
@@ -311,7 +311,7 @@ def test_fsdp_matrix_matches_torch_bitwise(dist_results):
             # torch's SUM over a flag FSDP2's DTensor check already reduced: 2.0 on every rank
             assert r0["theirs"]["flags"] == r1["theirs"]["flags"] == [2.0], name
         if not _torch_is_right(name) and name.endswith("/adam_fused"):
-            # torch 2.13 on FSDP1: rank 0 never saw the inf, steps and grows its scale; rank 1 skips
+            # torch 2.13 on FSDP1 and DDP: rank 0 never saw the inf, steps and grows its scale; rank 1 skips
             assert r0["theirs"]["scales"] != r1["theirs"]["scales"], name
         if name.endswith("_unscale"):
             assert "doesn't match the broadcast shape" in r0["theirs_error"], name
