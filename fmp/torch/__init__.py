@@ -12,9 +12,11 @@ from fmp.torch._fx import autocast_graph as autocast_graph
 from fmp.torch._fx_explain import explain_fx as explain_fx
 from fmp.torch._fx_explain import explain_graph as explain_graph
 from fmp.torch._grad_scaler import GradScaler as GradScaler
+from fmp.torch._sharded_grad_scaler import ShardedGradScaler as ShardedGradScaler
 
 __all__ = [
     "GradScaler",
+    "ShardedGradScaler",
     "autocast",
     "autocast_fx",
     "autocast_graph",

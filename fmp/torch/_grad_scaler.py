@@ -3,17 +3,22 @@
 The class keeps torch's names, signatures, per-optimizer stages, exception types
 and messages (``torch.amp.GradScaler`` 2.13), and its private attribute names
 (``_scale``, ``_growth_tracker``, ``_per_optimizer_states``, ...) so code that
-peeks at them keeps working. Two things are fmp's own:
+peeks at them keeps working. What is fmp's own:
 
 * the scale / growth-tracker update goes through
   :func:`fmp._core._scaler_rule.update_scale` (the rule the JAX ``GradScaler``
-  uses) with a torch array adapter, and the checkpoint goes through
-  ``make_state_dict`` / ``parse_state_dict``, so a ``state_dict()`` loads into
-  ``fmp.GradScaler.from_state_dict`` and back;
-* ``process_group=``: the inf flags are all-reduced (SUM) over the group in
-  :meth:`GradScaler.unscale_`, so every rank skips the same steps (the behaviour
-  of ``torch.distributed.fsdp.ShardedGradScaler``, with ``GradScaler``'s update
-  math).
+  uses) with a torch array adapter; settings and checkpoint live in
+  :mod:`fmp.torch._scaler_state` (a ``state_dict()`` loads into
+  ``fmp.GradScaler.from_state_dict`` and back);
+* ``process_group=``: the inf flags are made one 0/1 flag and all-reduced (MAX)
+  over the group in :meth:`GradScaler.unscale_`, so every rank skips the same
+  steps, fused optimizers included;
+* a fused optimizer always gets a 0/1 ``found_inf`` (torch sums the per-device
+  flags); see :mod:`fmp.torch._found_inf`.
+
+The hooks ``_allow_fp16``, ``_found_inf_shape``, ``_coalesce_fp16``,
+``_found_inf_group``, ``_check_output``, ``_scaled`` and ``_update_ops`` are
+what :class:`fmp.torch.ShardedGradScaler` overrides.
 
 Unscaling calls torch's own ``_amp_foreach_non_finite_check_and_unscale_``
 kernel once per (device, dtype) bucket, so unscaled gradients are bit-identical
@@ -25,7 +30,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import math
 import warnings
 from collections import abc, defaultdict
 from typing import Any
@@ -34,71 +38,27 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from fmp._core import _scaler_rule
+from fmp.torch._found_inf import PerDevice, all_reduce_flag, coalesce_in_place, one_flag, unscale_and_check
+from fmp.torch._scaler_messages import (
+    MSG_BACKOFF,
+    MSG_CLOSURE,
+    MSG_GRAD_SCALER_KWARG,
+    MSG_GROWTH,
+    MSG_NEW_SCALE,
+    MSG_NO_CUDA,
+    MSG_NO_INF_CHECKS,
+    MSG_NO_INF_CHECKS_OPT,
+    MSG_OUTPUTS,
+    MSG_SCALE_NONE,
+    MSG_STEP_TWICE,
+    MSG_UNSCALE_AFTER_STEP,
+    MSG_UNSCALE_TWICE,
+    MSG_WHERE_TORCH,
+)
+from fmp.torch._scaler_state import ScalerSettings
+from fmp.torch._torch_ops import TORCH_OPS
 
 __all__ = ["GradScaler"]
-
-# torch's messages, verbatim (tests compare them against torch itself)
-_MSG_NO_CUDA = "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
-_MSG_GROWTH = "The growth factor must be > 1.0."
-_MSG_BACKOFF = "The backoff factor must be < 1.0."
-_MSG_SCALE_NONE = (
-    "Attempted {} but _scale is None.  "
-    "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-)
-_MSG_OUTPUTS = "outputs must be a Tensor or an iterable of Tensors"
-_MSG_UNSCALE_TWICE = "unscale_() has already been called on this optimizer since the last update()."
-_MSG_UNSCALE_AFTER_STEP = "unscale_() is being called after step()."
-_MSG_FP16 = "Attempting to unscale FP16 gradients."
-_MSG_CLOSURE = "Closure use is not currently supported if GradScaler is enabled."
-_MSG_STEP_TWICE = "step() has already been called since the last update()."
-_MSG_NO_INF_CHECKS_OPT = "No inf checks were recorded for this optimizer."
-_MSG_NO_INF_CHECKS = "No inf checks were recorded prior to update."
-_MSG_NEW_SCALE = (
-    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor with requires_grad=False."
-)
-_MSG_EMPTY_STATE = (
-    "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-)
-_MSG_WHERE_TORCH = (
-    "To see where it starts: [n for n, p in model.named_parameters() if p.grad is not None and "
-    "not p.grad.isfinite().all()] before scaler.step(optimizer)."
-)
-_MSG_PICKLE = (
-    "A GradScaler instance may only be pickled at the beginning of an iteration, or at the end after scaler.update()."
-)
-_MSG_GRAD_SCALER_KWARG = (
-    "GradScaler is going to stop passing itself as a keyword argument to the passed optimizer. In the near "
-    "future GradScaler registers `grad_scale: Tensor` and `found_inf: Tensor` to the passed optimizer and let "
-    "the optimizer use them directly."
-)
-
-
-class _TorchOps:
-    """The array adapter :func:`~fmp._core._scaler_rule.update_scale` needs, for torch tensors."""
-
-    @staticmethod
-    def where(cond: Any, a: Any, b: Any) -> torch.Tensor:
-        return torch.where(cond, a, b)
-
-    @staticmethod
-    def isfinite(x: torch.Tensor) -> torch.Tensor:
-        # |x| < inf is False for inf and NaN: torch.isfinite's answer in two ops instead of four
-        return torch.abs(x) < math.inf
-
-    @staticmethod
-    def minimum(x: torch.Tensor, y: Any) -> torch.Tensor:
-        return torch.clamp(x, max=y) if not isinstance(y, torch.Tensor) else torch.minimum(x, y)
-
-    @staticmethod
-    def maximum(x: torch.Tensor, y: Any) -> torch.Tensor:
-        return torch.clamp(x, min=y) if not isinstance(y, torch.Tensor) else torch.maximum(x, y)
-
-    @staticmethod
-    def mul_f64(scale: torch.Tensor, factor: float) -> torch.Tensor:
-        return (scale.double() * factor).float()
-
-
-TORCH_OPS = _TorchOps()
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -110,21 +70,7 @@ def _cuda_definitely_unavailable() -> bool:
     return not (torch.cuda.is_available() or importlib.util.find_spec("torch_xla"))
 
 
-class _PerDevice:
-    """Lazily made per-device copies of a 0-d tensor (one copy per device, then reused)."""
-
-    def __init__(self, master: torch.Tensor) -> None:
-        self.master = master
-        self.copies: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        out = self.copies.get(device)
-        if out is None:
-            out = self.copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
-        return out
-
-
-class GradScaler:
+class GradScaler(ScalerSettings):
     """Dynamic loss scaling for torch optimizers, with torch.amp's API and behaviour.
 
     A drop-in for ``torch.amp.GradScaler``: ``scale(loss)`` multiplies the loss by
@@ -142,8 +88,8 @@ class GradScaler:
       enabled: If False, ``scale`` returns its input, ``step`` calls
         ``optimizer.step()`` and the other methods do nothing.
       process_group: Optional ``torch.distributed`` process group; if given, the
-        inf flags found by ``unscale_`` are summed over it so every rank skips
-        together. ``None`` (default) keeps the ranks independent, as torch's
+        inf flags found by ``unscale_`` are reduced over it (one all-reduce of a
+        0/1 flag, MAX) so every rank skips together. ``None`` (default) keeps the ranks independent, as torch's
         ``GradScaler`` does. The group is not pickled: set ``_process_group``
         again (or build a new scaler and ``load_state_dict``) after loading.
       max_consecutive_overflows: fmp's own: after this many iterations in a row
@@ -167,6 +113,11 @@ class GradScaler:
       ([0.0, 0.0], 8.0)
     """
 
+    # what ShardedGradScaler changes (torch's subclass differs from GradScaler in exactly these)
+    _allow_fp16 = False  # unscale_ refuses float16 gradients
+    _found_inf_shape: tuple[int, ...] = ()
+    _coalesce_fp16 = staticmethod(coalesce_in_place)
+
     def __init__(
         self,
         device: str = "cuda",
@@ -186,13 +137,13 @@ class GradScaler:
         self._enabled = enabled
         self._process_group = process_group
         if device == "cuda" and enabled and _cuda_definitely_unavailable():
-            warnings.warn(_MSG_NO_CUDA, stacklevel=2)
+            warnings.warn(MSG_NO_CUDA, stacklevel=2)
             self._enabled = False
         if self._enabled:
             if growth_factor <= 1.0:
-                raise AssertionError(_MSG_GROWTH)
+                raise AssertionError(MSG_GROWTH)
             if backoff_factor >= 1.0:
-                raise AssertionError(_MSG_BACKOFF)
+                raise AssertionError(MSG_BACKOFF)
             self._init_scale = init_scale
             self._scale: torch.Tensor | None = None
             self._growth_factor = growth_factor
@@ -206,60 +157,37 @@ class GradScaler:
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None or self._growth_tracker is None:
-            raise AssertionError(_MSG_SCALE_NONE.format(funcname))
+            raise AssertionError(MSG_SCALE_NONE.format(funcname))
         return self._scale, self._growth_tracker
 
     def _lazy_init_scale_growth_tracker(self, device: torch.device) -> None:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
         self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
 
-    def _get_scale_async(self) -> torch.Tensor | None:
-        return self._scale
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
-
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        inv = _PerDevice(inv_scale)
-        found = _PerDevice(found_inf)
-        buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    grad = param.grad
-                    if grad is None:
-                        continue
-                    if not allow_fp16 and grad.dtype == torch.float16:
-                        raise ValueError(_MSG_FP16)
-                    if grad.is_sparse:
-                        # duplicates of an fp16 sparse grad may overflow only once summed: check the coalesced values
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    buckets.setdefault((grad.device, grad.dtype), []).append(grad)
-            for (device, _), grads in buckets.items():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found.get(device), inv.get(device))
-        return found.copies
+        return unscale_and_check(
+            optimizer, inv_scale, found_inf, allow_fp16=allow_fp16, coalesce_fp16=self._coalesce_fp16
+        )
+
+    def _found_inf_group(self) -> tuple[bool, Any]:
+        """Whether to reduce the inf flags across ranks, and over which group (None: the default group)."""
+        return self._process_group is not None, self._process_group
 
     def _sync_found_inf(self, state: dict[str, Any]) -> None:
-        """Sums this optimizer's inf flags over the process group (one collective, any number of devices)."""
-        if self._process_group is None:
+        """Makes this optimizer's inf flags one 0/1 flag and MAX-reduces it over the group (one collective)."""
+        sync, group = self._found_inf_group()
+        if not sync:
             return
-        import torch.distributed as dist
-
         scale = self._scale
         if scale is None:  # pragma: no cover - guarded by the callers
-            raise AssertionError(_MSG_SCALE_NONE.format("unscale_"))
-        flags = [f.to(scale.device, non_blocking=True) for f in state["found_inf_per_device"].values()]
-        total = torch.zeros((), dtype=torch.float32, device=scale.device)
-        for flag in flags:
-            total = total + flag
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._process_group)
-        state["found_inf_per_device"] = {scale.device: total}
+            raise AssertionError(MSG_SCALE_NONE.format("unscale_"))
+        device = scale.device
+        if self._device != "cpu" and device.type == "cpu":
+            device = torch.device(self._device)  # the collective runs on the scaler's device (NCCL has no CPU)
+        flag = one_flag(state["found_inf_per_device"].values(), device, self._found_inf_shape)
+        state["found_inf_per_device"] = {device: all_reduce_flag(flag, group)}
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
@@ -269,6 +197,17 @@ class GradScaler:
         state["found_inf_per_device"] = self._unscale_grads_(optimizer, one, found_inf, True)
         self._sync_found_inf(state)
         return state["found_inf_per_device"]
+
+    def _check_output(self, output: torch.Tensor) -> None:
+        """A hook for ``scale``: ShardedGradScaler rejects tensors on devices it does not support."""
+
+    def _scaled(self, output: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """One leaf of ``scale``: GradScaler lets type promotion decide the dtype (a 0-d float16 loss becomes float32)."""
+        return output * scale
+
+    def _update_ops(self, scale: torch.Tensor) -> Any:
+        """The array adapter of the scale update (float64 products, torch's ``_amp_update_scale_``)."""
+        return TORCH_OPS
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
@@ -287,23 +226,25 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
+            self._check_output(outputs)
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             scale = self._check_scale_growth_tracker("scale")[0]
-            return outputs * scale.to(device=outputs.device, non_blocking=True)
-        copies: list[_PerDevice] = []
+            return self._scaled(outputs, scale.to(device=outputs.device, non_blocking=True))
+        copies: list[PerDevice] = []
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
+                self._check_output(value)
                 if not copies:
                     if self._scale is None:
                         self._lazy_init_scale_growth_tracker(value.device)
-                    copies.append(_PerDevice(self._check_scale_growth_tracker("scale")[0]))
-                return value * copies[0].get(value.device)
+                    copies.append(PerDevice(self._check_scale_growth_tracker("scale")[0]))
+                return self._scaled(value, copies[0].get(value.device))
             if isinstance(value, abc.Iterable):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, list | tuple) else mapped
-            raise ValueError(_MSG_OUTPUTS)
+            raise ValueError(MSG_OUTPUTS)
 
         return apply(outputs)
 
@@ -323,13 +264,13 @@ class GradScaler:
         scale, _ = self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(_MSG_UNSCALE_TWICE)
+            raise RuntimeError(MSG_UNSCALE_TWICE)
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError(_MSG_UNSCALE_AFTER_STEP)
+            raise RuntimeError(MSG_UNSCALE_AFTER_STEP)
         # the reciprocal in float64, as torch (float32 division can be inexact under some compile options)
         inv_scale = scale.double().reciprocal().float() if scale.device.type != "mps" else scale.reciprocal()
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        found_inf = torch.full(self._found_inf_shape, 0.0, dtype=torch.float32, device=scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16)
         self._sync_found_inf(state)
         state["stage"] = OptState.UNSCALED
 
@@ -350,17 +291,17 @@ class GradScaler:
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError(_MSG_CLOSURE)
+            raise RuntimeError(MSG_CLOSURE)
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError(_MSG_STEP_TWICE)
+            raise RuntimeError(MSG_STEP_TWICE)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, state, args, kwargs)
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(state["found_inf_per_device"]) == 0:
-            raise AssertionError(_MSG_NO_INF_CHECKS_OPT)
+            raise AssertionError(MSG_NO_INF_CHECKS_OPT)
         retval = None
         # the one host sync of an iteration: is any flag set?
         state["host_found_inf"] = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
@@ -374,13 +315,14 @@ class GradScaler:
     ) -> Any:
         passes_self = "grad_scaler" in inspect.signature(optimizer.step).parameters
         if passes_self:
-            warnings.warn(_MSG_GRAD_SCALER_KWARG, FutureWarning, stacklevel=3)
+            warnings.warn(MSG_GRAD_SCALER_KWARG, FutureWarning, stacklevel=3)
             kwargs.update({"grad_scaler": self})
         else:
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             scale = self._check_scale_growth_tracker("step")[0]
-            found_inf = sum([t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values()])
+            # a flag, never a sum: the fused kernels skip only on exactly 1.0 and subtract it from their steps
+            found_inf = one_flag(state["found_inf_per_device"].values(), scale.device)
             # a grad_scale the user set is multiplied in; already unscaled grads need none
             optimizer.grad_scale = (  # type: ignore[attr-defined]
                 getattr(optimizer, "grad_scale", None)
@@ -415,31 +357,26 @@ class GradScaler:
                 scale.fill_(new_scale)
             else:
                 if new_scale.device.type != self._device:
-                    raise AssertionError(_MSG_NEW_SCALE)
+                    raise AssertionError(MSG_NEW_SCALE)
                 if new_scale.numel() != 1:
-                    raise AssertionError(_MSG_NEW_SCALE)
+                    raise AssertionError(MSG_NEW_SCALE)
                 if new_scale.requires_grad is True:
-                    raise AssertionError(_MSG_NEW_SCALE)
+                    raise AssertionError(MSG_NEW_SCALE)
                 scale.copy_(new_scale)
         else:
             flags = [
-                flag.to(device=scale.device, non_blocking=True)
-                for state in self._per_optimizer_states.values()
-                for flag in state["found_inf_per_device"].values()
+                flag for state in self._per_optimizer_states.values() for flag in state["found_inf_per_device"].values()
             ]
             if not flags:
-                raise AssertionError(_MSG_NO_INF_CHECKS)
-            found = flags[0]
-            for flag in flags[1:]:
-                found = found + flag
+                raise AssertionError(MSG_NO_INF_CHECKS)
             new, new_tracker = _scaler_rule.update_scale(
                 scale,
                 tracker,
-                found != 0,
+                one_flag(flags, scale.device) != 0,
                 growth_factor=self._growth_factor,
                 backoff_factor=self._backoff_factor,
                 growth_interval=self._growth_interval,
-                ops=TORCH_OPS,
+                ops=self._update_ops(scale),
             )
             scale.copy_(new)
             tracker.copy_(new_tracker)
@@ -453,102 +390,12 @@ class GradScaler:
             self._consecutive_overflows += 1
             if self._consecutive_overflows == self._max_consecutive_overflows:
                 msg = _scaler_rule.health_message(
-                    where="fmp.torch.GradScaler",
+                    where=f"fmp.torch.{type(self).__name__}",
                     count=self._consecutive_overflows,
                     limit=self._max_consecutive_overflows,
                     scale=self.get_scale(),
-                    hint=_MSG_WHERE_TORCH,
+                    hint=MSG_WHERE_TORCH,
                 )
                 warnings.warn(msg, _scaler_rule.ScaleHealthWarning, stacklevel=3)
         elif known and len(known) == len(self._per_optimizer_states):
             self._consecutive_overflows = 0
-
-    def get_scale(self) -> float:
-        """The current scale as a Python number (1.0 when disabled); a host sync."""
-        if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
-
-    def get_growth_factor(self) -> float:
-        """The growth factor."""
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Sets the growth factor."""
-        self._growth_factor = new_factor
-
-    def get_backoff_factor(self) -> float:
-        """The backoff factor."""
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Sets the backoff factor."""
-        self._backoff_factor = new_factor
-
-    def get_growth_interval(self) -> int:
-        """The growth interval."""
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Sets the growth interval."""
-        self._growth_interval = new_interval
-
-    def is_enabled(self) -> bool:
-        """Whether this scaler is enabled."""
-        return self._enabled
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's five-key scaler state (``{}`` when disabled); loads into ``fmp.GradScaler`` too."""
-        if not self._enabled:
-            return {}
-        return _scaler_rule.make_state_dict(
-            scale=self.get_scale(),
-            growth_tracker=self._get_growth_tracker(),
-            growth_factor=self._growth_factor,
-            backoff_factor=self._backoff_factor,
-            growth_interval=self._growth_interval,
-        )
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a scaler state written by this class, ``torch.amp.GradScaler`` or ``fmp.GradScaler``.
-
-        A no-op when disabled. Unlike torch, every key is checked before anything
-        is changed, so a bad dict leaves the scaler as it was.
-
-        Raises:
-          RuntimeError: ``state_dict`` is empty (torch's message).
-          KeyError: a key is missing (torch's type; the first missing key).
-        """
-        if not self._enabled:
-            return
-        if len(state_dict) == 0:
-            raise RuntimeError(_MSG_EMPTY_STATE)
-        for key in _scaler_rule.STATE_DICT_KEYS:
-            if key not in state_dict:
-                raise KeyError(key)
-        values = _scaler_rule.parse_state_dict(state_dict)
-        self._init_scale = values["scale"]
-        self._growth_factor = values["growth_factor"]
-        self._backoff_factor = values["backoff_factor"]
-        self._growth_interval = values["growth_interval"]
-        self._init_growth_tracker = values["_growth_tracker"]
-        if self._scale is not None:
-            self._scale.fill_(values["scale"])
-        if self._growth_tracker is not None:
-            self._growth_tracker.fill_(values["_growth_tracker"])
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if self._enabled:
-            if len(self._per_optimizer_states) != 0:
-                raise AssertionError(_MSG_PICKLE)
-            # the tensors are re-created lazily from the _init_* values after unpickling
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_scale"] = None
-            state["_growth_tracker"] = None
-        state["_process_group"] = None  # process groups do not pickle; pass it again after loading
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
