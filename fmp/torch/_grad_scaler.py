@@ -6,12 +6,12 @@ and messages (``torch.amp.GradScaler`` 2.13), and its private attribute names
 peeks at them keeps working. Two things are fmp's own:
 
 * the scale / growth-tracker update goes through
-  :func:`fmp._core._scaler_rule.update_scale` (the rule the JAX ``GradScaler``
+  ``fmp._core._scaler_rule.update_scale`` (the rule the JAX ``GradScaler``
   uses) with a torch array adapter, and the checkpoint goes through
   ``make_state_dict`` / ``parse_state_dict``, so a ``state_dict()`` loads into
   ``fmp.GradScaler.from_state_dict`` and back;
 * ``process_group=``: the inf flags are all-reduced (SUM) over the group in
-  :meth:`GradScaler.unscale_`, so every rank skips the same steps (the behaviour
+  [`GradScaler.unscale_`][fmp.torch.GradScaler.unscale_], so every rank skips the same steps (the behaviour
   of ``torch.distributed.fsdp.ShardedGradScaler``, with ``GradScaler``'s update
   math).
 
@@ -74,7 +74,7 @@ _MSG_GRAD_SCALER_KWARG = (
 
 
 class _TorchOps:
-    """The array adapter :func:`~fmp._core._scaler_rule.update_scale` needs, for torch tensors."""
+    """The array adapter ``update_scale`` needs, for torch tensors."""
 
     @staticmethod
     def where(cond: Any, a: Any, b: Any) -> torch.Tensor:
@@ -148,7 +148,7 @@ class GradScaler:
         again (or build a new scaler and ``load_state_dict``) after loading.
       max_consecutive_overflows: fmp's own: after this many iterations in a row
         whose ``step`` skipped the optimizer, ``update()`` warns once
-        (:class:`fmp.ScaleHealthWarning`). It counts the decisions ``step``
+        ([`fmp.ScaleHealthWarning`][fmp.ScaleHealthWarning]). It counts the decisions ``step``
         already read on the host, so it costs no extra sync; iterations decided
         on the device (fused optimizers) leave the count as it is.
 
@@ -400,7 +400,7 @@ class GradScaler:
 
         Backs off if any optimizer saw inf/NaN this iteration, grows after
         ``growth_interval`` finite iterations; the rule is
-        :func:`fmp._core._scaler_rule.update_scale`. Makes no host sync.
+        ``fmp._core._scaler_rule.update_scale``. Makes no host sync.
 
         Raises:
           AssertionError: no optimizer was stepped/unscaled, or ``new_scale`` is a
