@@ -232,3 +232,13 @@ def test_accumulation():
     out = _out("accumulation")
     # accumulate skips exactly the effective batches that held a bad micro-batch; MultiSteps skips more
     assert "skipped exactly the" in out and out.rstrip().endswith("OK")
+
+
+def test_migration_pages_show_the_tested_listings():
+    """Each migration page includes its before/after files whole (mkdocs' snippets), so the docs show what runs."""
+    pages = {"torch_amp": "torch-amp.md", "jmp": "jmp.md", "flax": "flax.md", "apex": "apex.md"}
+    assert set(pages) == set(MIGRATIONS)
+    for name, page in pages.items():
+        text = (ROOT / "docs" / "migration" / page).read_text()
+        for part in ("before", "after"):
+            assert f'--8<-- "examples/migration/{name}_{part}.py"' in text, f"{page} lacks the {part} listing"
