@@ -97,3 +97,20 @@ def test_readme_torch_snippet_matches_torch_amp_bit_for_bit():
     assert torch.equal(ours["loss"], theirs["loss"])
     assert torch.equal(ours["model"].weight, theirs["model"].weight)
     assert ours["loss"].item() < float(torch.nn.functional.mse_loss(torch.zeros(32, 1), ours["y"]))
+
+
+def test_getting_started_snippet_runs_as_written():
+    """The first JAX step of docs/getting-started.md, where the README sends newcomers, runs as written."""
+    import jax
+
+    import fmp
+
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert blocks, "getting-started has no python snippet"
+    with jax.numpy_dtype_promotion("standard"):
+        for block in blocks:
+            ns = _run_snippet(block)
+    assert isinstance(ns["scaler"], fmp.GradScaler)
+    start = float(ns["loss_fn"]({"w": jax.numpy.zeros((8, 1))}, ns["x"], ns["y"]))
+    assert float(ns["loss_fn"](ns["params"], ns["x"], ns["y"])) < start, "ten steps did not lower the loss"
