@@ -43,3 +43,67 @@ def test_every_docs_entry_is_public():
     public = {f"{m}.{n}" for m in MODULES for n in _public(m)} | set(MODULES)
     stale = sorted(e for e in ENTRIES if e not in public)
     assert not stale, f"docs document names that are not public (renamed or removed?): {stale}"
+
+
+# A Sphinx role (":func:`x`") renders as literal text under mkdocstrings; the docs use autorefs links.
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|data|exc|obj|const|ref|doc|term):`")
+
+
+def test_no_sphinx_roles_in_docstrings_or_pages():
+    sources = [*(ROOT / "fmp").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in sources
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if _ROLE.search(line)
+    ]
+    assert not found, "Sphinx roles left (write [`name`][fmp.name] instead):\n" + "\n".join(found)
+
+
+def test_docs_build_warns_on_a_raw_role(caplog):
+    """The mkdocs hook that makes `mkdocs build --strict` fail on a role that reaches a page."""
+    pytest.importorskip("mkdocs")
+    import importlib.util
+    import logging
+    import types
+
+    assert "docs/hooks/sphinx_roles.py" in (ROOT / "mkdocs.yml").read_text(), "the hook is not in mkdocs.yml"
+    spec = importlib.util.spec_from_file_location("sphinx_roles", ROOT / "docs" / "hooks" / "sphinx_roles.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="api.md"))
+    linked = '<p>See <a class="autorefs" href="#fmp.grad"><code>fmp.grad</code></a>.</p>'
+    with caplog.at_level(logging.WARNING):
+        assert hook.on_page_content(linked, page, None, None) == linked
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING):
+        hook.on_page_content("<p>See :func:<code>fmp.grad</code> and :meth:`x`.</p>", page, None, None)
+    assert len(caplog.records) == 2 and "api.md: raw Sphinx role" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("modname", MODULES)
+def test_every_public_name_has_an_example(modname):
+    """Every public docstring shows a ``>>>`` example; tests/test_doctests.py runs them.
+
+    doctest does not see attribute docstrings (``DEFAULT_RULES``), so those examples run here.
+    """
+    import doctest
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import fmp
+
+    griffe = pytest.importorskip("griffe")
+    names = _public(modname)
+    pkg = griffe.load(modname, search_paths=[str(ROOT)], resolve_aliases=True, resolve_external=False)
+    docs = {n: pkg[n].docstring.value if pkg[n].docstring else "" for n in names}
+    missing = [n for n in names if ">>>" not in docs[n]]
+    assert not missing, f"{modname}: no '>>>' example in the docstring of {missing}"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for n in names:
+        if pkg[n].is_attribute:
+            globs = {"fmp": fmp, "jax": jax, "jnp": jnp, "np": np}
+            runner.run(doctest.DocTestParser().get_doctest(docs[n], globs, f"{modname}.{n}", None, 0))
+    assert runner.summarize(verbose=False).failed == 0

@@ -41,10 +41,10 @@ def explain(
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Callable[..., Report]:
-    """Reports the dtype every operation of ``fn`` runs in under :func:`fmp.autocast`.
+    """Reports the dtype every operation of ``fn`` runs in under [`fmp.autocast`][fmp.autocast].
 
     Returns a function taking ``fn``'s arguments; it traces and rewrites ``fn``
-    (nothing is computed) and returns a :class:`~fmp._core._report.Report`: one
+    (nothing is computed) and returns a ``Report``: one
     row per equation after the rewrite (nested bodies flattened in order) with
     the primitive, the user's source line, input and output dtypes before and
     after, the rule that decided it and its FLOPs, plus one ``cast`` row per
@@ -54,9 +54,9 @@ def explain(
 
     Args:
       fn: The function to inspect.
-      policy: As for :func:`fmp.autocast`.
-      rules: As for :func:`fmp.autocast`.
-      overrides: As for :func:`fmp.autocast`.
+      policy: As for [`fmp.autocast`][fmp.autocast].
+      rules: As for [`fmp.autocast`][fmp.autocast].
+      overrides: As for [`fmp.autocast`][fmp.autocast].
 
     Examples:
       >>> rep = fmp.explain(lambda x, w: jax.nn.softmax(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))

@@ -2,7 +2,7 @@
 
 The rewrite is an interpreter that re-binds every equation with (possibly
 cast) inputs. Run under a fresh trace it yields a new
-:class:`~jax.extend.core.ClosedJaxpr` (:func:`autocast_jaxpr`); run in the
+``ClosedJaxpr`` ([`autocast_jaxpr`][fmp.autocast_jaxpr]); run in the
 caller's trace (``fmp.autocast``) it emits the same equations there, so
 ``jit``, ``grad`` and ``vmap`` compose. Bodies of higher-order primitives are
 rewritten into new jaxprs (``_hops.py``). Decisions read the *current* input
@@ -443,8 +443,8 @@ def autocast_jaxpr(
 
     Args:
       closed_jaxpr: The program, e.g. from ``jax.make_jaxpr(f)(*args)``.
-      policy: A policy spec or :class:`fmp.Policy`.
-      rules: A :class:`fmp.RuleSet`; ``None`` means ``fmp.DEFAULT_RULES``.
+      policy: A policy spec or [`fmp.Policy`][fmp.Policy].
+      rules: A [`fmp.RuleSet`][fmp.RuleSet]; ``None`` means ``fmp.DEFAULT_RULES``.
       overrides: Optional ``{scope_substring: policy}``: equations whose name
         scope contains the substring run under that policy (the innermost match
         wins), with their inputs first returned to their original dtypes.

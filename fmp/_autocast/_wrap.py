@@ -52,8 +52,8 @@ def autocast(
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
     ``fn`` is traced to a jaxpr and its rewrite (the program
-    :func:`fmp.autocast_jaxpr` returns) is evaluated in the caller's trace, so the result composes with ``jax.jit``,
-    ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
+    [`fmp.autocast_jaxpr`][fmp.autocast_jaxpr] returns) is evaluated in the caller's trace, so the result composes
+    with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
     the policy's compute dtype, exponentials, logarithms, powers and sums in
     float32, multi-input elementwise ops in their widest input, except that a
     bias added to a matmul's or convolution's result is added in the compute
@@ -72,8 +72,8 @@ def autocast(
     Args:
       fn: The function; omit it to use ``autocast(policy=...)`` as a decorator.
       policy: A policy spec (``"mixed_bfloat16"``, ``"mixed_float16"``,
-        ``"float32"``, ``"p=f32,c=bf16"``) or an :class:`fmp.Policy`.
-      rules: A :class:`fmp.RuleSet`; ``None`` means ``fmp.DEFAULT_RULES``.
+        ``"float32"``, ``"p=f32,c=bf16"``) or an [`fmp.Policy`][fmp.Policy].
+      rules: A [`fmp.RuleSet`][fmp.RuleSet]; ``None`` means ``fmp.DEFAULT_RULES``.
       enabled: ``False`` runs ``fn`` exactly as written, also inside an outer autocast.
       overrides: ``{scope_substring: policy}``: ops under a ``jax.named_scope``
         (flax linen opens one per module) whose name contains the substring run

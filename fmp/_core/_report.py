@@ -1,6 +1,6 @@
 """The per-operation precision report shared by ``fmp.explain`` (JAX) and the torch FX explain.
 
-Framework-neutral: a report is a list of :class:`OpRecord` rows plus a summary,
+Framework-neutral: a report is a list of ``OpRecord`` rows plus a summary,
 so a user can put the JAX and the torch precision maps side by side.
 """
 

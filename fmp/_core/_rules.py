@@ -1,4 +1,4 @@
-"""Precision categories and :class:`RuleSet`, the one rule table for both frameworks."""
+"""Precision categories and [`RuleSet`][fmp.RuleSet], the one rule table for both frameworks."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ class Category(str, enum.Enum):
     * ``UNLISTED``: the op runs in the dtypes it is given.
 
     float64 values, integers and booleans are never cast by any category.
+
+    Examples:
+      >>> fmp.DEFAULT_RULES.category("exp")
+      <Category.FLOAT32: 'float32'>
+      >>> fmp.Category("lower_precision") is fmp.Category.LOWER_PRECISION
+      True
     """
 
     LOWER_PRECISION = "lower_precision"
@@ -58,13 +64,13 @@ def _table(**categories: Iterable[str]) -> dict[str, Category]:
 class RuleSet:
     """An immutable precision rule table for JAX primitives and torch ATen ops.
 
-    ``RuleSet`` maps operation names to a :class:`Category`. JAX primitives are
+    ``RuleSet`` maps operation names to a [`Category`][fmp.Category]. JAX primitives are
     keyed by primitive name (``"dot_general"``); torch ops by dispatcher name
     (``"aten::mm"``, ``"aten::pow.Tensor_Scalar"``), separately for the ``"cpu"``
     and ``"cuda"`` autocast registries because torch's two lists differ.
     An operation that is not in the table is ``UNLISTED``.
 
-    Build a custom rule set with :meth:`derive`; the default one is
+    Build a custom rule set with [`derive`][fmp.RuleSet.derive]; the default one is
     ``fmp.DEFAULT_RULES``. A ``RuleSet`` is hashable, so it can be a static
     argument of ``jax.jit``.
 
@@ -168,7 +174,7 @@ class RuleSet:
             ``unlisted=["exp"]``. An op may appear in one category only.
 
         Returns:
-          A new :class:`RuleSet`; ``self`` is not modified.
+          A new [`RuleSet`][fmp.RuleSet]; ``self`` is not modified.
 
         Raises:
           ValueError: on an unknown category, framework or device, or an op named twice.
@@ -310,9 +316,17 @@ DEFAULT_RULES = RuleSet(
     banned_messages=dict(data.TORCH_CUDA_BANNED),
     jax_epilogue=data.JAX_EPILOGUE,
 )
-"""The rule table fmp ships and uses by default: one :class:`RuleSet` for both frameworks.
+"""The rule table fmp ships and uses by default: one [`RuleSet`][fmp.RuleSet] for both frameworks.
 
 Its JAX table says which primitives run in the compute dtype (``dot_general``, convolutions), which in
 float32 (exponentials, logarithms, powers, reductions) and which in their widest input; its torch tables are
-torch 2.13's CPU and CUDA autocast op lists. ``fmp.DEFAULT_RULES.category("exp")`` is ``Category.FLOAT32``.
+torch 2.13's CPU and CUDA autocast op lists.
+
+Examples:
+  >>> fmp.DEFAULT_RULES.category("exp")
+  <Category.FLOAT32: 'float32'>
+  >>> fmp.DEFAULT_RULES.category("dot_general")
+  <Category.LOWER_PRECISION: 'lower_precision'>
+  >>> fmp.DEFAULT_RULES.category("aten::mm", framework="torch", device="cpu")
+  <Category.LOWER_PRECISION: 'lower_precision'>
 """

@@ -1,8 +1,8 @@
 """The dynamic loss-scale update rule and the scaler checkpoint format.
 
 One source of truth for both frameworks: the JAX ``GradScaler`` and the torch
-facade call :func:`update_scale` with their own array namespace, and both read
-and write checkpoints through :func:`make_state_dict` / :func:`parse_state_dict`,
+facade call ``update_scale`` with their own array namespace, and both read
+and write checkpoints through ``make_state_dict`` / ``parse_state_dict``,
 so a checkpoint written by one side loads in the other.
 
 The rule is torch's ``_amp_update_scale_`` (CPU and CUDA kernels):
@@ -41,7 +41,22 @@ DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
 
 
 class ScaleHealthWarning(UserWarning):
-    """A loss scaler has seen a long run of non-finite steps, or its scale is no longer a finite number > 0."""
+    """A loss scaler has seen a long run of non-finite steps, or its scale is no longer a finite number > 0.
+
+    [`fmp.check_scaler_health`][fmp.check_scaler_health] and ``fmp.torch.GradScaler`` warn with it.
+
+    Examples:
+      >>> import warnings
+      >>> scaler = fmp.GradScaler(max_consecutive_overflows=2)
+      >>> for _ in range(2):
+      ...     scaler = scaler.update(jnp.bool_(False))
+      >>> with warnings.catch_warnings(record=True) as w:
+      ...     warnings.simplefilter("always")
+      ...     fmp.check_scaler_health(scaler)
+      False
+      >>> w[0].category is fmp.ScaleHealthWarning
+      True
+    """
 
 
 _MSG_HEALTH = (
@@ -58,7 +73,7 @@ HINT_NO_LEAVES = "Pass the gradients to fmp.check_scaler_health(state, grads) (o
 
 
 def health_message(*, where: str, count: int, limit: int, scale: float, hint: str) -> str | None:
-    """The text of a :class:`ScaleHealthWarning`, or None if ``count`` and ``scale`` are healthy."""
+    """The text of a [`ScaleHealthWarning`][fmp.ScaleHealthWarning], or None if ``count`` and ``scale`` are healthy."""
     if not (math.isfinite(scale) and scale > 0):
         return _MSG_BAD_SCALE.format(where=where, scale=scale, hint=hint)
     if count >= limit:
@@ -115,7 +130,7 @@ def update_scale(
       growth_tracker: int32 scalar array, consecutive finite steps so far.
       found_inf: bool scalar array, True if this step's gradients had inf/NaN.
       growth_factor, backoff_factor, growth_interval: static hyper-parameters.
-      ops: array namespace adapter (see :class:`ArrayOps`).
+      ops: array namespace adapter (see ``ArrayOps``).
       min_scale, max_scale: optional static clamps applied to the new scale.
 
     Returns:

@@ -1,8 +1,8 @@
 """Gradient accumulation that recovers from a non-finite micro-batch (torch's accumulation recipe for optax).
 
 ``optax.MultiSteps`` resets its accumulator as ``0 * acc``; after one inf/NaN micro-batch that is ``0 * inf =
-NaN``, so every later effective batch is non-finite too. :func:`accumulate` resets with a select, so a bad
-micro-batch costs exactly its own effective batch.
+NaN``, so every later effective batch is non-finite too. [`accumulate`][fmp.optax.accumulate] resets with a select, so
+a bad micro-batch costs exactly its own effective batch.
 """
 
 from __future__ import annotations
@@ -19,12 +19,20 @@ _MSG_EVERY_K = "every_k must be an int >= 1 (micro-batches per effective batch),
 
 
 class AccumulateState(NamedTuple):
-    """State of :func:`accumulate`.
+    """State of [`accumulate`][fmp.optax.accumulate].
 
     Attributes:
       mini_step: int32, micro-batches accumulated so far in the current effective batch (0 .. every_k - 1).
       acc: The running sum of this effective batch's gradients (float32 for narrower float leaves).
       inner_state: The wrapped transformation's state; it changes only at the end of an effective batch.
+
+    Examples:
+      >>> import optax, fmp.optax
+      >>> opt = fmp.optax.accumulate(optax.sgd(0.1), every_k=2)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> _, state = opt.update({"w": jnp.ones(2)}, opt.init(params), params)
+      >>> type(state).__name__, int(state.mini_step), state.acc["w"].tolist()
+      ('AccumulateState', 1, [1.0, 1.0])
     """
 
     mini_step: jax.Array
@@ -54,8 +62,9 @@ def accumulate(
 
     Micro-steps return ``-0.0`` updates (the exact identity of ``p + u``); the last micro-step of each
     effective batch returns ``inner``'s updates. Gradients narrower than float32 are summed in float32 and
-    cast back to their dtype before ``inner`` sees them (as ``MultiSteps`` does). :func:`current_scaler`
-    finds the scaler inside; with master weights put :func:`master_weights` outermost:
+    cast back to their dtype before ``inner`` sees them (as ``MultiSteps`` does).
+    [`current_scaler`][fmp.optax.current_scaler]
+    finds the scaler inside; with master weights put [`master_weights`][fmp.optax.master_weights] outermost:
     ``master_weights(accumulate(loss_scaled(inner), k))``. Extra arguments (``value=...``) reach ``inner``
     from the last micro-step of each effective batch.
 
@@ -66,7 +75,7 @@ def accumulate(
         False passes the sum, for losses already divided by ``every_k`` (torch's recipe).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is an :class:`AccumulateState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is an [`AccumulateState`][fmp.optax.AccumulateState].
 
     Raises:
       TypeError: ``every_k`` is not an int, or ``use_grad_mean`` not a bool.

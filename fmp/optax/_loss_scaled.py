@@ -19,16 +19,22 @@ _MSG_NO_SCALER = (
 
 
 class LossScaledState(NamedTuple):
-    """State of :func:`loss_scaled`.
+    """State of [`loss_scaled`][fmp.optax.loss_scaled].
 
     Attributes:
-      scaler: The :class:`fmp.GradScaler` to scale the next loss with.
+      scaler: The [`fmp.GradScaler`][fmp.GradScaler] to scale the next loss with.
       inner_state: The wrapped optimizer's state (untouched on skipped steps).
       skipped_steps: int32, total skipped (non-finite) steps; saturates.
       consecutive_skipped: int32, non-finite steps in a row; 0 after a finite step. The scaler counts
         the same run (``scaler.consecutive_overflows``), and ``scaler.overflow_alarm`` (a bool array,
         readable inside ``jit``) turns True once it reaches the scaler's ``max_consecutive_overflows``;
         outside ``jit``, ``fmp.check_scaler_health(state)`` warns then.
+
+    Examples:
+      >>> import optax, fmp.optax
+      >>> state = fmp.optax.loss_scaled(optax.sgd(0.1)).init({"w": jnp.zeros(3)})
+      >>> type(state).__name__, float(state.scaler.loss_scale), int(state.skipped_steps)
+      ('LossScaledState', 65536.0, 0)
     """
 
     scaler: GradScaler
@@ -38,7 +44,16 @@ class LossScaledState(NamedTuple):
 
 
 class SkipNonfiniteState(NamedTuple):
-    """State of :func:`skip_nonfinite` (the counters mean what they mean in :class:`LossScaledState`)."""
+    """State of [`skip_nonfinite`][fmp.optax.skip_nonfinite] (the counters mean what they mean in [`LossScaledState`][fmp.optax.LossScaledState]).
+
+    Examples:
+      >>> import optax, fmp.optax
+      >>> opt = fmp.optax.skip_nonfinite(optax.sgd(0.1))
+      >>> params = {"w": jnp.zeros(3)}
+      >>> _, state = opt.update({"w": jnp.array([1.0, jnp.inf, 0.0])}, opt.init(params), params)
+      >>> type(state).__name__, int(state.skipped_steps), int(state.consecutive_skipped)
+      ('SkipNonfiniteState', 1, 1)
+    """
 
     inner_state: optax.OptState
     skipped_steps: jax.Array
@@ -98,8 +113,8 @@ def loss_scaled(
     """Wraps ``inner`` for loss-scaled gradients: unscale, check, apply ``inner`` only if finite, adapt the scale.
 
     ``update`` takes the gradients of the *scaled* loss (scale it with
-    :func:`current_scaler` of the state), checks them for inf/NaN with one reduction, unscales them
-    (torch's float32 reciprocal) and runs ``inner``. On a non-finite step it returns zero updates
+    [`current_scaler`][fmp.optax.current_scaler] of the state), checks them for inf/NaN with one reduction, unscales
+    them (torch's float32 reciprocal) and runs ``inner``. On a non-finite step it returns zero updates
     (``-0.0``, the exact identity of ``p + u``) and keeps ``inner``'s state bit for bit, step counts
     included. Then it updates the scaler with torch's rule. Everything is branch-free and jit-safe.
     A scale with no finite float32 reciprocal (0, NaN) skips the step too: its unscale would be NaN.
@@ -110,7 +125,7 @@ def loss_scaled(
     ``fmp.optax.accumulate(loss_scaled(inner), k)``: it checks, skips and updates the scale once per
     effective batch, like torch's accumulation recipe, and recovers after a non-finite micro-batch
     (``optax.MultiSteps`` does not: its ``0 * acc`` reset keeps a NaN forever). ``inject_hyperparams`` works outside or
-    inside it; :func:`current_scaler` finds the scaler through all of them.
+    inside it; [`current_scaler`][fmp.optax.current_scaler] finds the scaler through all of them.
 
     Args:
       inner: The optimizer to guard.
@@ -120,11 +135,11 @@ def loss_scaled(
         finite flag over so every device skips together. Not needed under ``jit`` with sharded arrays.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaledState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a [`LossScaledState`][fmp.optax.LossScaledState].
 
     Raises:
       TypeError: ``inner`` is not a GradientTransformation or ``scaler`` is not a GradScaler; from
-        ``update``: integer/bool gradients, or a state that is not a :class:`LossScaledState`.
+        ``update``: integer/bool gradients, or a state that is not a [`LossScaledState`][fmp.optax.LossScaledState].
       ValueError: from ``update``: gradients shaped unlike ``params`` (tree or leaf shapes).
 
     Examples:
@@ -183,13 +198,14 @@ def skip_nonfinite(
 
     Args:
       inner: The optimizer to guard.
-      axis_name: As in :func:`loss_scaled`.
+      axis_name: As in [`loss_scaled`][fmp.optax.loss_scaled].
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`SkipNonfiniteState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      [`SkipNonfiniteState`][fmp.optax.SkipNonfiniteState].
 
     Raises:
-      TypeError, ValueError: as for :func:`loss_scaled`.
+      TypeError, ValueError: as for [`loss_scaled`][fmp.optax.loss_scaled].
 
     Examples:
       >>> import optax
@@ -222,7 +238,7 @@ def _find_states(opt_state: Any) -> list[LossScaledState]:
 
 
 def current_scaler(opt_state: optax.OptState) -> GradScaler:
-    """Finds the :class:`fmp.GradScaler` inside an optimizer state built with :func:`loss_scaled`.
+    """Finds the [`fmp.GradScaler`][fmp.GradScaler] inside an optimizer state built with [`loss_scaled`][fmp.optax.loss_scaled].
 
     Looks through any nesting (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, your own
     NamedTuples). Scale the next loss with the result.

@@ -6,19 +6,19 @@ and messages (``torch.amp.GradScaler`` 2.13), and its private attribute names
 peeks at them keeps working. What is fmp's own:
 
 * the scale / growth-tracker update goes through
-  :func:`fmp._core._scaler_rule.update_scale` (the rule the JAX ``GradScaler``
+  ``fmp._core._scaler_rule.update_scale`` (the rule the JAX ``GradScaler``
   uses) with a torch array adapter; settings and checkpoint live in
-  :mod:`fmp.torch._scaler_state` (a ``state_dict()`` loads into
+  ``fmp.torch._scaler_state`` (a ``state_dict()`` loads into
   ``fmp.GradScaler.from_state_dict`` and back);
 * ``process_group=``: the inf flags are made one 0/1 flag and all-reduced (MAX)
-  over the group in :meth:`GradScaler.unscale_`, so every rank skips the same
+  over the group in ``GradScaler.unscale_``, so every rank skips the same
   steps, fused optimizers included;
 * a fused optimizer always gets a 0/1 ``found_inf`` (torch sums the per-device
-  flags); see :mod:`fmp.torch._found_inf`.
+  flags); see ``fmp.torch._found_inf``.
 
 The hooks ``_allow_fp16``, ``_found_inf_shape``, ``_coalesce_fp16``,
 ``_found_inf_group``, ``_check_output``, ``_scaled`` and ``_update_ops`` are
-what :class:`fmp.torch.ShardedGradScaler` overrides.
+what [`fmp.torch.ShardedGradScaler`][fmp.torch.ShardedGradScaler] overrides.
 
 Unscaling calls torch's own ``_amp_foreach_non_finite_check_and_unscale_``
 kernel once per (device, dtype) bucket, so unscaled gradients are bit-identical
@@ -94,7 +94,7 @@ class GradScaler(ScalerSettings):
         again (or build a new scaler and ``load_state_dict``) after loading.
       max_consecutive_overflows: fmp's own: after this many iterations in a row
         whose ``step`` skipped the optimizer, ``update()`` warns once
-        (:class:`fmp.ScaleHealthWarning`). It counts the decisions ``step``
+        ([`fmp.ScaleHealthWarning`][fmp.ScaleHealthWarning]). It counts the decisions ``step``
         already read on the host, so it costs no extra sync; iterations decided
         on the device (fused optimizers) leave the count as it is.
 
@@ -342,7 +342,7 @@ class GradScaler(ScalerSettings):
 
         Backs off if any optimizer saw inf/NaN this iteration, grows after
         ``growth_interval`` finite iterations; the rule is
-        :func:`fmp._core._scaler_rule.update_scale`. Makes no host sync.
+        ``fmp._core._scaler_rule.update_scale``. Makes no host sync.
 
         Raises:
           AssertionError: no optimizer was stepped/unscaled, or ``new_scale`` is a

@@ -1,7 +1,7 @@
 """The torch facade scalers' settings and checkpoint: getters/setters, ``state_dict``, pickling.
 
 torch.amp's names and behaviour; the checkpoint goes through fmp's shared format
-(:func:`fmp._core._scaler_rule.make_state_dict` / ``parse_state_dict``), so it loads into
+(``fmp._core._scaler_rule.make_state_dict`` / ``parse_state_dict``), so it loads into
 ``torch.amp.GradScaler``, torch's ``ShardedGradScaler`` and ``fmp.GradScaler`` alike.
 """
 
@@ -16,7 +16,7 @@ from fmp.torch._scaler_messages import MSG_EMPTY_STATE, MSG_PICKLE
 
 
 class ScalerSettings:
-    """The part of :class:`fmp.torch.GradScaler` that reads, writes, saves and loads its settings."""
+    """The part of [`fmp.torch.GradScaler`][fmp.torch.GradScaler] that reads, writes, saves and loads its settings."""
 
     # set by GradScaler.__init__ (the hyper-parameters only when enabled, as in torch)
     _enabled: bool

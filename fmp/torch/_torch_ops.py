@@ -9,7 +9,7 @@ import torch
 
 
 class TorchOps:
-    """The array adapter :func:`~fmp._core._scaler_rule.update_scale` needs, for torch tensors."""
+    """The array adapter ``update_scale`` needs, for torch tensors."""
 
     @staticmethod
     def where(cond: Any, a: Any, b: Any) -> torch.Tensor:

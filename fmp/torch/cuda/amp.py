@@ -3,6 +3,14 @@
 Each name warns exactly as ``torch.cuda.amp`` 2.13 does and then behaves like
 its ``fmp.torch`` counterpart with ``device_type="cuda"`` (so, on a machine
 without CUDA, it also warns and disables itself like torch's).
+
+Examples:
+  >>> import warnings, fmp.torch.cuda.amp
+  >>> with warnings.catch_warnings(record=True) as w:
+  ...     warnings.simplefilter("always")
+  ...     scaler = fmp.torch.cuda.amp.GradScaler(enabled=False)
+  >>> str(w[0].message).startswith("`torch.cuda.amp.GradScaler(args...)` is deprecated")
+  True
 """
 
 from __future__ import annotations
@@ -83,12 +91,47 @@ class autocast(_autocast.autocast):  # noqa: N801 (torch's name)
 
 
 def custom_fwd(fwd: Callable[..., Any] | None = None, *, cast_inputs: torch.dtype | None = None) -> Any:
-    """Deprecated ``torch.cuda.amp.custom_fwd``: warns, then ``fmp.torch.custom_fwd(device_type="cuda")``."""
+    """Deprecated ``torch.cuda.amp.custom_fwd``: warns, then ``fmp.torch.custom_fwd(device_type="cuda")``.
+
+    Examples:
+      >>> import warnings, torch, fmp.torch.cuda.amp
+      >>> with warnings.catch_warnings(record=True) as w:
+      ...     warnings.simplefilter("always")
+      ...     class Double(torch.autograd.Function):
+      ...         @staticmethod
+      ...         @fmp.torch.cuda.amp.custom_fwd
+      ...         def forward(ctx, x):
+      ...             return 2 * x
+      ...         @staticmethod
+      ...         def backward(ctx, g):
+      ...             return 2 * g
+      >>> w[0].category.__name__, Double.apply(torch.ones(2))
+      ('FutureWarning', tensor([2., 2.]))
+    """
     warnings.warn(_MSG_FWD, FutureWarning, stacklevel=2)
     return functools.partial(_custom.custom_fwd, device_type="cuda")(fwd=fwd, cast_inputs=cast_inputs)
 
 
 def custom_bwd(bwd: Callable[..., Any]) -> Any:
-    """Deprecated ``torch.cuda.amp.custom_bwd``: warns, then ``fmp.torch.custom_bwd(device_type="cuda")``."""
+    """Deprecated ``torch.cuda.amp.custom_bwd``: warns, then ``fmp.torch.custom_bwd(device_type="cuda")``.
+
+    Examples:
+      >>> import warnings, torch, fmp.torch.cuda.amp
+      >>> with warnings.catch_warnings(record=True) as w:
+      ...     warnings.simplefilter("always")
+      ...     class Double(torch.autograd.Function):
+      ...         @staticmethod
+      ...         @fmp.torch.cuda.amp.custom_fwd  # custom_bwd needs it on forward, as in torch
+      ...         def forward(ctx, x):
+      ...             return 2 * x
+      ...         @staticmethod
+      ...         @fmp.torch.cuda.amp.custom_bwd
+      ...         def backward(ctx, g):
+      ...             return 2 * g
+      >>> x = torch.ones(2, requires_grad=True)
+      >>> Double.apply(x).sum().backward()
+      >>> [m.category.__name__ for m in w], x.grad
+      (['FutureWarning', 'FutureWarning'], tensor([2., 2.]))
+    """
     warnings.warn(_MSG_BWD, FutureWarning, stacklevel=2)
     return _custom.custom_bwd(bwd, device_type="cuda")

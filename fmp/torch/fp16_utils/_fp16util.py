@@ -43,7 +43,7 @@ def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802  (apex's nam
 
 
 def network_to_half(network: nn.Module) -> nn.Sequential:
-    """Converts a model to half precision in a BatchNorm-safe way (legacy; prefer :class:`FP16Model`).
+    """Converts a model to half precision in a BatchNorm-safe way (legacy; prefer [`FP16Model`][fmp.torch.fp16_utils.FP16Model]).
 
     Returns ``nn.Sequential(tofp16(), BN_convert_float(network.half()))``; ``network`` is converted in place.
 
@@ -58,7 +58,18 @@ def network_to_half(network: nn.Module) -> nn.Sequential:
 
 
 def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
-    """Converts a module's own floating parameters, their grads, and floating buffers to ``dtype``."""
+    """Converts a module's own floating parameters, their grads, and floating buffers to ``dtype``.
+
+    Not recursive: child modules keep their dtype (``convert_network`` walks them).
+
+    Examples:
+      >>> import torch
+      >>> from fmp.torch.fp16_utils import convert_module
+      >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+      >>> convert_module(net[0], torch.half)
+      >>> net[0].weight.dtype, net[0].bias.dtype
+      (torch.float16, torch.float16)
+    """
     for param in module.parameters(recurse=False):
         if param.data.dtype.is_floating_point:
             param.data = param.data.to(dtype=dtype)

@@ -2,15 +2,16 @@
 
 Three classes live here:
 
-* :class:`LossScaler` and :class:`DynamicLossScaler`: the classes apex exported from
+* [`LossScaler`][fmp.torch.fp16_utils.LossScaler] and [`DynamicLossScaler`][fmp.torch.fp16_utils.DynamicLossScaler]:
+  the classes apex exported from
   ``apex.fp16_utils`` (``loss_scaler.py``), same names, attributes and defaults.
-* ``_AmpLossScaler``: the scaler :class:`~fmp.torch.fp16_utils.FP16_Optimizer` actually uses. Since 2019
+* ``_AmpLossScaler``: the scaler [`FP16_Optimizer`][fmp.torch.fp16_utils.FP16_Optimizer] actually uses. Since 2019
   apex's ``FP16_Optimizer`` drives ``apex.amp.scaler.LossScaler`` (init 2**16, window 2000, max 2**24,
   optional min, factor hard-coded to 2), not the exported ``DynamicLossScaler``; we keep that split.
 
-Both dynamic schedules are the torch/fmp rule in :func:`fmp._core._scaler_rule.update_scale` (same cadence
+Both dynamic schedules are the torch/fmp rule in ``fmp._core._scaler_rule.update_scale`` (same cadence
 as apex: grow after ``window`` consecutive clean updates, back off and restart the count on an overflow),
-run on Python scalars. Overflow is detected element-wise, never by summing (see :func:`non_finite_check`).
+run on Python scalars. Overflow is detected element-wise, never by summing (see ``non_finite_check``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fmp._core import _scaler_rule
 
 
 class _PyOps:
-    """:class:`fmp._core._scaler_rule.ArrayOps` over Python scalars (the apex scalers are host-side)."""
+    """``fmp._core._scaler_rule.ArrayOps`` over Python scalars (the apex scalers are host-side)."""
 
     @staticmethod
     def where(cond: Any, a: Any, b: Any) -> Any:

@@ -1,0 +1,46 @@
+"""The torch.amp loop of torch_amp_before.py on fmp.torch: one import changed, nothing else.
+
+The "after" listing of the torch.amp migration page; it computes exactly what ``torch_amp_before.py`` does.
+
+    python examples/migration/torch_amp_after.py [--steps 40]
+"""
+
+import argparse
+
+import torch
+from torch import nn
+
+import fmp.torch as amp  # was: import torch.amp as amp
+
+
+def main(steps: int = 40) -> None:
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.bfloat16  # bfloat16 is CPU autocast's default
+    x = torch.randn(512, 20, device=device)
+    y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, a learnable rule
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scaler = amp.GradScaler(device)
+
+    for step in range(steps):
+        batch = slice(64 * (step % 8), 64 * (step % 8 + 1))
+        optimizer.zero_grad()
+        with amp.autocast(device, dtype=dtype):
+            loss = nn.functional.cross_entropy(model(x[batch]), y[batch])
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # clip the true gradients
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)  # skipped if the gradients hold inf/NaN
+        scaler.update()
+        if step % 10 == 0:
+            print(f"step {step:3d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}")
+
+    accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
+    print(f"final loss {loss.item()!r}; train accuracy {100 * accuracy:.1f}%; scale {scaler.get_scale():g}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    main(p.parse_args().steps)
