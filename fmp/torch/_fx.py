@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
 from fmp._policy import Policy, get_policy
+from fmp.torch._fx_casts import GRAD_LEAF, is_grad_leaf
 from fmp.torch._fx_common import _MSG_NO_META, Event, ambient_autocast
 from fmp.torch._fx_rewrite import Rewriter
 
@@ -230,6 +231,9 @@ def trace(
         except (RuntimeError, NotImplementedError, Warning):  # Warning: when warnings are errors
             if i == len(attempts) - 1:
                 raise
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][len(names) :]
+    for node, leaf in zip(inputs, in_leaves, strict=True):  # torch's cast cache keeps casts of these
+        node.meta[GRAD_LEAF] = is_grad_leaf(leaf)
     target = fn_or_module.forward if module is not None else fn_or_module
     codegen = torch.fx.graph._PyTreeCodeGen(
         torch.fx.graph._PyTreeInfo(_arg_names(target, len(example_inputs)), in_spec, out_spec[0])
