@@ -29,6 +29,17 @@ from fmp.torch._fx_rewrite import Rewriter
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
 
+_MSG_OUTPUT = (
+    "autocast_fx traces programs whose outputs are tensors and plain values in pytree containers (tuples, lists, "
+    "dicts, dataclasses torch's pytree knows, Hugging Face ModelOutput); output {path} is a {kind}, which torch's "
+    "pytree cannot flatten, so neither autocast_fx nor torch.export can trace it.{hint}"
+)
+_HINT_CACHE = (
+    " It is a Hugging Face KV cache: call the model with use_cache=False (for training and single forward "
+    "passes the cache is unused), e.g. functools.partial(model, use_cache=False) or model.config.use_cache = False."
+)
+_PLAIN_OUTPUTS = (torch.Tensor, int, float, bool, complex, str, type(None), torch.dtype, torch.device)
+
 _MSG_POLICY = (
     "policy must be a (device_type, dtype) pair such as ('cpu', torch.bfloat16), a torch device type "
     "('cpu' or 'cuda'), an fmp Policy or policy spec string ('mixed_bfloat16'), or None with "
@@ -205,6 +216,7 @@ def trace(
             out = torch.func.functional_call(module, dict(zip(names, leaves[: len(names)], strict=True)), tuple(args))
         else:
             out = fn_or_module(*args)
+        _check_outputs(out)
         out_leaves, spec = pytree.tree_flatten(out)
         out_spec.append(spec)
         return out_leaves
@@ -239,6 +251,15 @@ def trace(
         torch.fx.graph._PyTreeInfo(_arg_names(target, len(example_inputs)), in_spec, out_spec[0])
     )
     return gm, names, codegen
+
+
+def _check_outputs(out: Any) -> None:
+    """Raises a TypeError naming the first output leaf torch's pytree cannot flatten (a KV cache object)."""
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, _PLAIN_OUTPUTS):
+            kind = type(leaf).__name__
+            hint = _HINT_CACHE if "Cache" in kind or "past_key_values" in pytree.keystr(path) else ""
+            raise TypeError(_MSG_OUTPUT.format(path=f"output{pytree.keystr(path)}", kind=kind, hint=hint))
 
 
 def _copy_leaf(x: Any) -> Any:
@@ -327,7 +348,9 @@ def autocast_fx(
       A ``torch.fx.GraphModule``.
 
     Raises:
-      TypeError, ValueError: bad arguments or policy.
+      TypeError, ValueError: bad arguments or policy; an output torch's pytree
+        cannot flatten, such as a Hugging Face ``DynamicCache`` (call the model
+        with ``use_cache=False``, e.g. through ``functools.partial``).
 
     Examples:
       >>> import torch
