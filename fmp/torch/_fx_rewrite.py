@@ -45,9 +45,13 @@ from fmp.torch._fx_common import (
     _is_tensor,
     _prioritize,
     _same_meta,
+    ambient_autocast,
     op_key,
 )
 from fmp.torch._fx_nested import decompose, hop
+
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 
 
 class Rewriter:
@@ -201,13 +205,13 @@ class Rewriter:
             return env[node.args[0]][node.args[1]]  # an inlined multi-output region
         args = torch.fx.node.map_arg(node.args, lambda n: env[n])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
-        if target is torch.amp.autocast_mode._enter_autocast:
+        if target is _ENTER_AUTOCAST:
             device, dtype, enabled = args[0], args[1], args[2]
             self._region_saved[node] = dict(self.state)
             self.state[device] = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
             self.changed = True
             return None  # the region's casts are explicit now
-        if target is torch.amp.autocast_mode._exit_autocast:
+        if target is _EXIT_AUTOCAST:
             enter = node.args[0]
             if isinstance(enter, torch.fx.Node) and enter in self._region_saved:
                 self.state = self._region_saved.pop(enter)
@@ -252,14 +256,33 @@ class Rewriter:
             inlined = decompose(self, node, op, args, kwargs, depth)
             if inlined is not None:
                 return inlined
-        new = self._copy(node, args, kwargs)
+        inside = enabled and device == "cpu" and key in self.rules.torch_cpu_autocast_inside
+        new = self._in_region(node, op, device, compute, args, kwargs) if inside else self._copy(node, args, kwargs)
         self._invalidate(op, args, kwargs)
         if self.events is not None:
             ins = _float_names(self._val((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
+            cat = f"{cat} (autocast inside)" if inside else cat
             self.events.append(
                 Event(key, cat, new, node, inputs_before(self, node), ins, _float_names(plain(self, node)))
             )
+        return new
+
+    def _in_region(self, node, op, device, compute, args, kwargs) -> torch.fx.Node:
+        """Emits ``op`` inside a one-op autocast region: its kernel calls listed ops through the dispatcher.
+
+        Eager autocast reaches inside such a kernel (``_trilinear``'s ``bmm`` calls), and
+        no cast around the op reproduces what it does inside, so the region is kept.
+        """
+        enter = self.graph.create_node(
+            "call_function", _ENTER_AUTOCAST, (device, compute, True, False), {}, name=f"{node.name}_autocast"
+        )
+        with ambient_autocast({device: (True, compute)}):
+            val = self._run_fake(op, args, kwargs)
+        new = self.emit(op, args, kwargs, node, val=val)
+        new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+        self.graph.create_node("call_function", _EXIT_AUTOCAST, (enter,), {})
+        self.changed = True
         return new
 
     def _eligible(self, v: Any, device: str) -> bool:

@@ -118,3 +118,38 @@ def test_input_cast_follows_the_example_input(dtype, requires_grad):
     gm = _grads_eager_and_fx(_TwoUses(), (x,), dtype)
     input_casts = [n for n in gm.graph.nodes if n.target is TO_COPY and n.args[0].op == "placeholder"]
     assert len(input_casts) == (1 if requires_grad else 2)
+
+
+class _Bilinear(nn.Module):
+    """nn.Bilinear after a Linear: CPU autocast reaches inside the unlisted _trilinear kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.bilinear = nn.Bilinear(6, 6, 4)
+
+    def forward(self, x):
+        h = self.proj(x).float()
+        return self.bilinear(h, x)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
+def test_bilinear_runs_with_autocast_inside_its_kernel(dtype):
+    torch.manual_seed(0)
+    gm = _grads_eager_and_fx(_Bilinear(), (torch.randn(5, 6, requires_grad=True),), dtype)
+    trilinear = [n for n in gm.graph.nodes if n.target is torch.ops.aten._trilinear.default]
+    assert len(trilinear) == 1
+    assert trilinear[0].prev.target is torch.amp.autocast_mode._enter_autocast
+    assert trilinear[0].prev.args[:3] == ("cpu", dtype, True)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
+def test_bilinear_differs_without_the_region(dtype):
+    # the teeth of the test above: run plainly, _trilinear gives other float32 values than eager autocast
+    torch.manual_seed(0)
+    a, b, w, bias = torch.randn(5, 6), torch.randn(5, 6), torch.randn(4, 6, 6), torch.randn(4)
+    with torch.autocast("cpu", dtype=dtype):
+        eager = nn.functional.bilinear(a, b, w, bias)
+    plain = nn.functional.bilinear(a, b, w, bias)
+    assert eager.dtype == plain.dtype == torch.float32
+    assert not torch.equal(eager, plain)

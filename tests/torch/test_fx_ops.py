@@ -75,7 +75,7 @@ def _assert_bitwise(got, expected, exact=True, undefined=frozenset()):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-def _run(op, key, args, kwargs, dtype, device="cpu"):
+def _run(op, key, args, kwargs, dtype, device="cpu", in_graph=True):
     def one_op(a, k):
         return op(*a, **k)
 
@@ -90,7 +90,7 @@ def _run(op, key, args, kwargs, dtype, device="cpu"):
         return False
     gm = fmp.torch.autocast_fx(one_op, (args, kwargs), (device, dtype))
     keys = [op_key(n.target) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
-    assert key in keys, f"the traced graph does not contain {key}: {keys}"
+    assert key in keys or not in_graph, f"the traced graph does not contain {key}: {keys}"
     _assert_bitwise(
         gm(args, kwargs), expected, exact=key not in NOT_REPRODUCIBLE, undefined=UNDEFINED_OUTPUTS.get(key, frozenset())
     )
@@ -107,6 +107,32 @@ def test_registry_op_matches_eager_autocast(key, dtype):
     ran.append(_run(op, key, *_convert((args, kwargs), dtype), dtype))
     if key not in EAGER_FAILS:
         assert any(ran), f"{key}: eager autocast raised for float32 and for {dtype} inputs"
+
+
+# ---- the CUDA registry's ops on CPU tensors: unlisted on CPU, but eager CPU autocast can still reach
+# them (a composite decomposing into listed ops, a kernel calling listed ops: bilinear's _trilinear) --------
+
+CUDA_ONLY_OPS = sorted(set(CUDA_OPS) - set(CPU_OPS))
+# Kernels that exist only for CUDA tensors: eager raises on CPU tensors, and so does the transform.
+CPU_RAISES = {
+    "aten::_scaled_dot_product_flash_attention": "no CPU kernel (the CPU one is _scaled_dot_product_flash_attention_for_cpu)",
+    "aten::_thnn_fused_gru_cell": "CUDA-only kernel",
+    "aten::_thnn_fused_lstm_cell": "CUDA-only kernel",
+    "aten::cudnn_convolution": "cuDNN kernel",
+    "aten::cudnn_convolution_transpose": "cuDNN kernel",
+}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "f16"])
+@pytest.mark.parametrize("key", CUDA_ONLY_OPS)
+def test_cuda_registry_op_on_cpu_matches_eager_autocast(key, dtype):
+    op = _resolve(key)
+    torch.manual_seed(0)
+    args, kwargs = CUDA_SAMPLES[key]() if key in CUDA_SAMPLES else SAMPLES[key]()
+    # a composite op is decomposed where autocast reaches inside it, so it need not stay in the graph
+    ran = [_run(op, key, args, kwargs, dtype, in_graph=False)]
+    ran.append(_run(op, key, *_convert((args, kwargs), dtype), dtype, in_graph=False))
+    assert any(ran) != (key in CPU_RAISES), f"{key}: eager CPU autocast raised for float32 and for {dtype} inputs"
 
 
 # ---- CUDA: no GPU here, so fake CUDA tensors; the oracle is torch's own AutocastCUDA kernel ----------
