@@ -265,3 +265,31 @@ def test_gpt2_with_cache_names_use_cache_false():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(ids, use_cache=False).logits
     _assert_equal(gm(ids).logits, expected, "logits")
+
+
+def test_explain_fx_on_bert_reads_well():
+    model, inputs = _build("hf_bert")
+    report = fmp.torch.explain_fx(model, inputs, ("cpu", torch.bfloat16))
+    gm = fmp.torch.autocast_fx(model, inputs, ("cpu", torch.bfloat16))
+    text = str(report)
+    # which ops ran in low precision: every Linear (Q, K, V, output, 2 MLP per layer; pooler; classifier)
+    linears = report.filter(op="aten::linear").records
+    assert len(linears) == 2 * 6 + 2
+    assert all(r.category == "lower_precision" and r.out_after == ("bfloat16",) for r in linears)
+    assert {r.category for r in report.filter(op="aten::scaled_dot_product_attention").records} == {"lower_precision"}
+    assert "lower_precision: aten::linear x14, aten::scaled_dot_product_attention x2" in text
+    # the casts inserted: one row per cast node of the rewritten graph, naming the parameter it casts
+    casts = report.filter(category="cast").records
+    assert len(casts) == report.summary["casts_inserted"]
+    assert len(casts) == sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default)
+    params = {name for name, _ in model.named_parameters()}
+    weight_casts = {r.scope for r in casts if r.scope in params}
+    assert "model.bert.encoder.layer.0.attention.self.query.weight" in weight_casts
+    assert "model.classifier.weight" in weight_casts
+    assert any(r.scope.endswith("(activation)") for r in casts)
+    # float32 islands: the loss, fed by a cast back to float32
+    assert report.summary["float32_islands"] == 1
+    assert "float32: aten::cross_entropy_loss x1" in text
+    (loss,) = report.filter(op="aten::cross_entropy_loss").records
+    assert loss.in_after == ("float32",) and loss.source.startswith("modeling_bert.py:")
+    assert report.summary["low_precision_flop_share"] == 1.0
