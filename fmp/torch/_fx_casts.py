@@ -48,3 +48,38 @@ def shared_cast_key(
     if src.op == "placeholder" and src.meta.get(GRAD_LEAF, False):
         return ("input", src)
     return None
+
+
+class CastCache:
+    """The shared casts of one graph: torch's cast cache, keyed by :func:`shared_cast_key`."""
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = attrs
+        self._memo: dict[tuple[Hashable, torch.dtype], torch.fx.Node] = {}
+
+    def key(self, src: torch.fx.Node, val: Any, dtype: torch.dtype, compute: torch.dtype | None) -> Hashable | None:
+        """The key a cast of ``src`` is shared under (None: a cast per use)."""
+        return shared_cast_key(src, val, dtype, compute, self.attrs)
+
+    def get(self, key: Hashable, dtype: torch.dtype) -> torch.fx.Node | None:
+        return self._memo.get((key, dtype))
+
+    def put(self, key: Hashable, dtype: torch.dtype, node: torch.fx.Node) -> None:
+        self._memo[(key, dtype)] = node
+
+    def clear(self) -> None:
+        """Forgets every cast (grad mode changed: a cast made without grad must not feed a use that needs one)."""
+        self._memo.clear()
+
+    def invalidate(self, op: Any, args: tuple, kwargs: dict) -> None:
+        """Drops the casts of a tensor an in-place op writes to (they would be stale)."""
+        if not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
+            return
+        written: list[torch.fx.Node] = []
+        for i, arg in enumerate(op._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only else None)
+                torch.fx.node.map_arg(value, written.append)
+        stale = {("attr", id(self.attrs.get(n.target))) if n.op == "get_attr" else ("input", n) for n in written}
+        for key in [k for k in self._memo if k[0] in stale]:
+            del self._memo[key]

@@ -1,4 +1,4 @@
-"""Graphs inside a node: one-level decompositions of composite ops and higher-order ops.
+"""Graphs inside a node: decompositions of composite ops, higher-order ops, one-op autocast regions.
 
 Eager autocast sees inside an unlisted ``CompositeImplicitAutograd`` op (its
 decomposition dispatches through the Autocast key again), so :func:`decompose`
@@ -6,7 +6,9 @@ inlines such an op's decomposition when a rewrite of it changes anything
 (``einsum``, ``tensordot`` on CPU). :func:`hop` handles the higher-order ops a
 traced program may hold: ``wrap_with_autocast`` regions switch the per-device
 autocast state for the ops inside them, ``wrap_with_set_grad_enabled`` bodies
-are rewritten into a submodule of their own. Both take the running
+are rewritten into a submodule of their own. :func:`in_region` keeps an op whose
+kernel eager autocast reaches into (``RuleSet.torch_cpu_autocast_inside``) inside a
+one-op autocast region. They take the running
 :class:`~fmp.torch._fx_rewrite.Rewriter` and build nested ones with
 ``type(rw)(...)``, so this module does not import the rewriter.
 """
@@ -21,6 +23,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from fmp.torch._fx_common import _MSG_HOP, _is_tensor, ambient_autocast
+
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 
 
 def decompose(rw: Any, node: torch.fx.Node, op: torch._ops.OpOverload, args: tuple, kwargs: dict, depth: int) -> Any:
@@ -97,3 +102,21 @@ def hop(rw: Any, node: torch.fx.Node, args: tuple, kwargs: dict, depth: int) -> 
         getter = rw.graph.get_attr(name)
         return rw.emit(node.target, (enabled, getter, *args[2:]), kwargs, node)
     raise NotImplementedError(_MSG_HOP.format(op=name, node=node.name))
+
+
+def in_region(rw: Any, node: torch.fx.Node, op: Any, device: str, compute: torch.dtype, args: tuple, kwargs: dict):
+    """Emits ``op`` inside a one-op autocast region: its kernel calls listed ops through the dispatcher.
+
+    Eager autocast reaches inside such a kernel (``_trilinear``'s ``bmm`` calls), and no
+    cast at the op's boundary reproduces what it does inside, so the region is kept.
+    """
+    enter = rw.graph.create_node(
+        "call_function", _ENTER_AUTOCAST, (device, compute, True, False), {}, name=f"{node.name}_autocast"
+    )
+    with ambient_autocast({device: (True, compute)}), rw.fake_mode:
+        val = op(*rw.value_of(args), **rw.value_of(kwargs))
+    new = rw.emit(op, args, kwargs, node, val=val)
+    new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+    rw.graph.create_node("call_function", _EXIT_AUTOCAST, (enter,), {})
+    rw.changed = True
+    return new

@@ -11,25 +11,25 @@ eager autocast treats them (``einsum``, ``tensordot`` on CPU). Traced
 ``_enter_autocast``/``_exit_autocast`` regions and ``wrap_with_autocast``
 submodules switch the per-device state for the ops inside them.
 
-Beside this module: ``_fx_casts`` decides which uses share a cast (torch's cast
-cache), ``_fx_nested`` holds the decompositions and higher-order ops, and
+Beside this module: ``_fx_values`` builds the new graph and its fake values,
+``_fx_casts`` decides which uses share a cast (torch's cast cache), ``_fx_nested``
+holds decompositions, higher-order ops and one-op autocast regions, and
 ``_fx_before`` the explain report's values without autocast.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fmp._core._rules import Category, RuleSet, decide
 from fmp.torch._fx_before import inputs_before, plain
-from fmp.torch._fx_casts import shared_cast_key
+from fmp.torch._fx_casts import CastCache
 from fmp.torch._fx_common import (
     _ASSERT_META,
     _CIA,
@@ -40,21 +40,19 @@ from fmp.torch._fx_common import (
     Event,
     _device_of,
     _dtype_name,
-    _dtype_overload,
+    _eligible,
     _float_names,
     _is_tensor,
     _prioritize,
     _same_meta,
-    ambient_autocast,
+    cuda_variant_call,
     op_key,
 )
-from fmp.torch._fx_nested import decompose, hop
-
-_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
-_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+from fmp.torch._fx_nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST, decompose, hop, in_region
+from fmp.torch._fx_values import GraphBuilder
 
 
-class Rewriter:
+class Rewriter(GraphBuilder):
     """Rewrites one graph (and the graphs nested in it) into ``self.graph``.
 
     ``state`` maps a device type to ``(enabled, dtype)``, the autocast state an op
@@ -69,79 +67,29 @@ class Rewriter:
         attrs: dict[str, Any],
         events: list[Event] | None = None,
     ) -> None:
+        super().__init__(fake_mode, attrs)
         self.rules = rules
         self.state = dict(state)
-        self.fake_mode = fake_mode
-        self.attrs = attrs  # get_attr target -> object, for the new GraphModule's root
         self.events = events
-        self.graph = torch.fx.Graph()
-        self.vals: dict[torch.fx.Node, Any] = {}  # new node -> fake value
-        self._cast_memo: dict[Any, torch.fx.Node] = {}  # shared casts (torch's cast cache), see _fx_casts
+        self._casts = CastCache(attrs)  # shared casts (torch's cast cache)
         self.probe_cache: dict[Any, bool] = {}  # decompositions known to change nothing (see _fx_nested)
         self._region_saved: dict[torch.fx.Node, dict[str, tuple[bool, torch.dtype]]] = {}
         self.before: dict[torch.fx.Node, Any] = {}  # node -> value with autocast off (explain only, _fx_before)
         self.changed = False
 
-    # ---- values -------------------------------------------------------------------------------
-    def fake(self, v: Any) -> Any:
-        """``v`` (a value or a structure) with every tensor a fake tensor of ``self.fake_mode``."""
-
-        def leaf(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if isinstance(t, FakeTensor):
-                if t.fake_mode is self.fake_mode:
-                    return t
-                with self.fake_mode:  # recorded by another mode (real-mode traces make one per node)
-                    return torch.empty_strided(
-                        t.shape, t.stride(), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad
-                    )
-            return self.fake_mode.from_tensor(t)
-
-        return pytree.tree_map(leaf, v)
-
-    def _val(self, a: Any) -> Any:
-        """The fake value of a new-graph argument (a node, a constant or a nested structure)."""
-        return torch.fx.node.map_aggregate(a, lambda x: self.vals.get(x) if isinstance(x, torch.fx.Node) else x)
-
-    def _run_fake(self, target: Callable, args: Any, kwargs: Any) -> Any:
-        with self.fake_mode:
-            return target(*self._val(args), **self._val(kwargs))
-
-    def emit(
-        self,
-        target: Callable,
-        args: tuple,
-        kwargs: dict,
-        like: torch.fx.Node | None,
-        val: Any = _RUN,
-        name: str | None = None,
-    ):
-        value = self._run_fake(target, args, kwargs) if val is _RUN else val
-        if name is None and like is not None:
-            name = like.name
-        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
-        if like is not None:
-            for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
-                if key in like.meta:
-                    node.meta[key] = like.meta[key]
-        self.vals[node] = value
-        if self.vals[node] is not None:
-            node.meta["val"] = self.vals[node]
-        return node
-
     def _cast(
         self, src: torch.fx.Node, dtype: torch.dtype, like: torch.fx.Node | None, compute: torch.dtype | None
     ) -> torch.fx.Node:
         """A cast of ``src`` to ``dtype`` for one use: shared only where torch's cast cache would share it."""
-        key = shared_cast_key(src, self.vals.get(src), dtype, compute, self.attrs)
+        key = self._casts.key(src, self.vals.get(src), dtype, compute)
         self.changed = True
-        if key is not None and (key, dtype) in self._cast_memo:
-            return self._cast_memo[(key, dtype)]
+        shared = self._casts.get(key, dtype) if key is not None else None
+        if shared is not None:
+            return shared
         short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "cast")
         node = self.emit(_TO_COPY, (src,), {"dtype": dtype}, like, name=f"{src.name}_{short}")
         if key is not None:
-            self._cast_memo[(key, dtype)] = node
+            self._casts.put(key, dtype, node)
         if self.events is not None:
             before = _float_names(self.vals[src])
             self.events.append(Event("aten::_to_copy", "cast", node, like, before, (_dtype_name(dtype),), before))
@@ -219,7 +167,7 @@ class Rewriter:
         if isinstance(target, torch._ops.HigherOrderOperator):
             return hop(self, node, args, kwargs, depth)
         if target is torch._C._set_grad_enabled:
-            self._cast_memo.clear()  # a cast made without grad must not feed a use that needs one
+            self._casts.clear()
         if target is _ASSERT_META and "dtype" in kwargs and isinstance(args[0], torch.fx.Node):
             # export's dtype assertions describe the program before the rewrite
             kwargs = {**kwargs, "dtype": self.vals[args[0]].dtype}
@@ -244,7 +192,7 @@ class Rewriter:
     # ---- ATen ops ------------------------------------------------------------------------------
     def _op(self, node: torch.fx.Node, op: torch._ops.OpOverload, args: tuple, kwargs: dict, depth: int):
         key = op_key(op)
-        leaves = [v for v in pytree.tree_leaves(self._val((args, kwargs))) if _is_tensor(v)]
+        leaves = [v for v in pytree.tree_leaves(self.value_of((args, kwargs))) if _is_tensor(v)]
         device = _device_of(leaves)
         enabled, compute = self.state.get(device, (False, None)) if device else (False, None)
         category = self.rules.category(key, "torch", device) if enabled and device in ("cpu", "cuda") else None
@@ -257,10 +205,10 @@ class Rewriter:
             if inlined is not None:
                 return inlined
         inside = enabled and device == "cpu" and key in self.rules.torch_cpu_autocast_inside
-        new = self._in_region(node, op, device, compute, args, kwargs) if inside else self._copy(node, args, kwargs)
-        self._invalidate(op, args, kwargs)
+        new = in_region(self, node, op, device, compute, args, kwargs) if inside else self._copy(node, args, kwargs)
+        self._casts.invalidate(op, args, kwargs)
         if self.events is not None:
-            ins = _float_names(self._val((args, kwargs)))
+            ins = _float_names(self.value_of((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
             cat = f"{cat} (autocast inside)" if inside else cat
             self.events.append(
@@ -268,47 +216,15 @@ class Rewriter:
             )
         return new
 
-    def _in_region(self, node, op, device, compute, args, kwargs) -> torch.fx.Node:
-        """Emits ``op`` inside a one-op autocast region: its kernel calls listed ops through the dispatcher.
-
-        Eager autocast reaches inside such a kernel (``_trilinear``'s ``bmm`` calls), and
-        no cast around the op reproduces what it does inside, so the region is kept.
-        """
-        enter = self.graph.create_node(
-            "call_function", _ENTER_AUTOCAST, (device, compute, True, False), {}, name=f"{node.name}_autocast"
-        )
-        with ambient_autocast({device: (True, compute)}):
-            val = self._run_fake(op, args, kwargs)
-        new = self.emit(op, args, kwargs, node, val=val)
-        new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-        self.graph.create_node("call_function", _EXIT_AUTOCAST, (enter,), {})
-        self.changed = True
-        return new
-
-    def _eligible(self, v: Any, device: str) -> bool:
-        return _is_tensor(v) and v.dtype.is_floating_point and v.dtype != torch.float64 and v.device.type == device
-
     def _listed(self, node, op, key, category, device, compute, args, kwargs):
-        vals = self._val((args, kwargs))
-        eligible = [v.dtype for v in pytree.tree_leaves(vals) if self._eligible(v, device)]
+        vals = self.value_of((args, kwargs))
+        eligible = [v.dtype for v in pytree.tree_leaves(vals) if _eligible(v, device)]
         variant = self.rules.torch_cuda_variants.get(key) if device == "cuda" else None
         target_op = op
         if variant is not None and category is Category.FLOAT32:
-            # torch passes dtype=float32 (or calls the dtype overload) only if the first arg is eligible
             first = vals[0][0] if vals[0] else None
-            if self._eligible(first, device):
-                if variant == "set_opt_dtype":
-                    if kwargs.get("dtype") is None:
-                        kwargs = {**kwargs, "dtype": torch.float32}
-                        self.changed = True
-                else:
-                    target_op, args = _dtype_overload(op, args)
-                    kwargs = {**kwargs, "dtype": torch.float32}
-                    self.changed = True
-            elif variant == "append_dtype" and _is_tensor(first):
-                target_op, args = _dtype_overload(op, args)
-                kwargs = {**kwargs, "dtype": first.dtype}
-                self.changed = True
+            target_op, args, kwargs, changed = cuda_variant_call(variant, op, args, kwargs, first, device)
+            self.changed |= changed
             target = None
         else:
             if category is Category.PROMOTE:
@@ -319,7 +235,7 @@ class Rewriter:
 
             def cast(n: torch.fx.Node) -> torch.fx.Node:
                 v = self.vals.get(n)
-                return self._cast(n, target, node, compute) if self._eligible(v, device) and v.dtype != target else n
+                return self._cast(n, target, node, compute) if _eligible(v, device) and v.dtype != target else n
 
             args = torch.fx.node.map_arg(args, cast)
             kwargs = torch.fx.node.map_arg(kwargs, cast)
@@ -329,43 +245,13 @@ class Rewriter:
             if target is None:
                 raise
             # no fake kernel: the op ran in `target`, so its floating outputs are `target`
-            new = self.emit(target_op, args, kwargs, node, val=self._retype(node.meta.get("val"), target))
+            new = self.emit(target_op, args, kwargs, node, val=self.retype(node.meta.get("val"), target))
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-        self._invalidate(target_op, args, kwargs)
+        self._casts.invalidate(target_op, args, kwargs)
         if self.events is not None:
             rule = category.value if variant is None else f"{category.value} ({variant})"
-            ins = _float_names(self._val((args, kwargs)))
+            ins = _float_names(self.value_of((args, kwargs)))
             self.events.append(
                 Event(key, rule, new, node, inputs_before(self, node), ins, _float_names(plain(self, node)))
             )
         return new
-
-    def _retype(self, val: Any, dtype: torch.dtype | None) -> Any:
-        def leaf(v: Any) -> Any:
-            if dtype is not None and _is_tensor(v) and v.dtype.is_floating_point:
-                with self.fake_mode:
-                    return self.fake(v).to(dtype)
-            return v
-
-        if val is None:
-            raise RuntimeError("no value recorded for the node")
-        return pytree.tree_map(leaf, val)
-
-    def _invalidate(self, op: Any, args: tuple, kwargs: dict) -> None:
-        """Drops memoized casts of a tensor an in-place op writes to (the cast would be stale)."""
-        if not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
-            return
-        written = []
-        for i, arg in enumerate(op._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only else None)
-                torch.fx.node.map_arg(value, written.append)
-        stale = {("attr", id(self.attrs.get(n.target))) if n.op == "get_attr" else ("input", n) for n in written}
-        for key in [k for k in self._cast_memo if k[0] in stale]:
-            del self._cast_memo[key]
-
-    def fresh_attr(self, base: str) -> str:
-        i = 0
-        while f"{base}_fmp{i}" in self.attrs:
-            i += 1
-        return f"{base}_fmp{i}"
