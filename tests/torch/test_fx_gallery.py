@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import fmp.torch  # noqa: E402
 
@@ -201,6 +202,25 @@ def _grads(model, loss):
     return dict(zip([n for n, p in model.named_parameters() if p.requires_grad], grads, strict=True))
 
 
+class _CountCasts(TorchDispatchMode):
+    """Counts the ``_to_copy`` calls that reach the kernels (below autograd and autocast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+def _cast_calls(model, call, inputs):
+    params = [p for p in model.parameters() if p.requires_grad]
+    with _CountCasts() as counter:
+        torch.autograd.grad(call(*inputs), params, allow_unused=True)
+    return counter.casts
+
+
 def _assert_equal(got, expected, what):
     if expected is None:
         assert got is None, what
@@ -238,6 +258,13 @@ def test_gallery_model_bitwise(name, dtype):
     _assert_grads_equal(_grads(model, loss), _grads(eager_model, expected))
     for (key, got), (_, ref) in zip(model.state_dict().items(), eager_model.state_dict().items(), strict=True):
         _assert_equal(got, ref, key)
+
+    # the same casts as eager autocast makes, one for one, forward and backward (per use / cached)
+    def eager(*args):
+        with torch.autocast("cpu", dtype=dtype):
+            return eager_model(*args)
+
+    assert _cast_calls(model, gm, inputs) == _cast_calls(eager_model, eager, inputs)
 
     # a few optimizer steps: autocast_fx + fmp's GradScaler vs eager autocast + torch's GradScaler
     opt_eager = torch.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9)
