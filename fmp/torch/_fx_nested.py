@@ -24,12 +24,18 @@ from torch.utils import _pytree as pytree
 
 from fmp.torch._fx_common import _MSG_HOP, _is_tensor, ambient_autocast
 
+UNTRACEABLE = object()  # decompose(): the decomposition cannot be traced with fake tensors
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
 _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 
 
 def decompose(rw: Any, node: torch.fx.Node, op: torch._ops.OpOverload, args: tuple, kwargs: dict, depth: int) -> Any:
-    """Inlines ``op``'s decomposition, rewritten, when autocast changes something inside it; else None."""
+    """Inlines ``op``'s decomposition, rewritten, when autocast changes something inside it; else None.
+
+    Returns :data:`UNTRACEABLE` when fake tensors cannot trace the decomposition: the
+    caller then keeps the op in a one-op autocast region (:func:`in_region`), where
+    its decomposition meets autocast at run time as in eager.
+    """
     flat, spec = pytree.tree_flatten((args, kwargs))
     flat_vals = [rw.vals.get(a) if isinstance(a, torch.fx.Node) else a for a in flat]
     sig = tuple(
@@ -38,17 +44,24 @@ def decompose(rw: Any, node: torch.fx.Node, op: torch._ops.OpOverload, args: tup
     cache_key = (op, sig, tuple(sorted(rw.state.items())))
     if rw.probe_cache.get(cache_key) is False:
         return None
+    if rw.probe_cache.get(cache_key) is UNTRACEABLE:
+        return UNTRACEABLE
 
     def call(*leaves):
         a, k = pytree.tree_unflatten(list(leaves), spec)
         return op(*a, **k)
 
+    # a decomposition may make tensor constants of its own (cov's scalar divisor): let them meet fake ones
+    allow = rw.fake_mode.allow_non_fake_inputs
     try:
+        rw.fake_mode.allow_non_fake_inputs = True
         with ambient_autocast(rw.state):  # values as eager autocast computes them
             sub = make_fx(call, pre_dispatch=True, decomposition_table={op: op.decompose})(*flat_vals)
-    except Exception:  # noqa: BLE001  (a decomposition fake tensors cannot trace stays one node)
-        rw.probe_cache[cache_key] = False
-        return None
+    except Exception:  # noqa: BLE001  (data-dependent code: cov's decomposition compares tensors)
+        rw.probe_cache[cache_key] = UNTRACEABLE
+        return UNTRACEABLE
+    finally:
+        rw.fake_mode.allow_non_fake_inputs = allow
     probe = type(rw)(rw.rules, rw.state, rw.fake_mode, {}, None)
     probe.probe_cache = rw.probe_cache
     probe.run(sub.graph, {}, depth + 1)
@@ -113,8 +126,11 @@ def in_region(rw: Any, node: torch.fx.Node, op: Any, device: str, compute: torch
     enter = rw.graph.create_node(
         "call_function", _ENTER_AUTOCAST, (device, compute, True, False), {}, name=f"{node.name}_autocast"
     )
-    with ambient_autocast({device: (True, compute)}), rw.fake_mode:
-        val = op(*rw.value_of(args), **rw.value_of(kwargs))
+    try:
+        with ambient_autocast({device: (True, compute)}), rw.fake_mode:
+            val = op(*rw.value_of(args), **rw.value_of(kwargs))
+    except Exception:  # noqa: BLE001  (data-dependent: the trace ran it under autocast, so its value holds)
+        val = rw.fake(node.meta.get("val"))
     new = rw.emit(op, args, kwargs, node, val=val)
     new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
     rw.graph.create_node("call_function", _EXIT_AUTOCAST, (enter,), {})

@@ -48,7 +48,7 @@ from fmp.torch._fx_common import (
     cuda_variant_call,
     op_key,
 )
-from fmp.torch._fx_nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST, decompose, hop, in_region
+from fmp.torch._fx_nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST, UNTRACEABLE, decompose, hop, in_region
 from fmp.torch._fx_values import GraphBuilder
 
 
@@ -200,11 +200,13 @@ class Rewriter(GraphBuilder):
             raise RuntimeError(self.rules.banned_message(key))
         if category in (Category.LOWER_PRECISION, Category.FLOAT32, Category.PROMOTE):
             return self._listed(node, op, key, category, device, compute, args, kwargs)
+        inlined = None
         if enabled and op.has_kernel_for_dispatch_key(_CIA) and depth < _MAX_DEPTH:
             inlined = decompose(self, node, op, args, kwargs, depth)
-            if inlined is not None:
+            if inlined is not None and inlined is not UNTRACEABLE:
                 return inlined
-        inside = enabled and device == "cpu" and key in self.rules.torch_cpu_autocast_inside
+        # autocast reaches inside the op's kernel or its untraceable decomposition: keep it in a region
+        inside = enabled and (inlined is UNTRACEABLE or device == "cpu" and key in self.rules.torch_cpu_autocast_inside)
         new = in_region(self, node, op, device, compute, args, kwargs) if inside else self._copy(node, args, kwargs)
         self._casts.invalidate(op, args, kwargs)
         if self.events is not None:

@@ -249,3 +249,42 @@ def test_cuda_registry_op_bitwise_on_gpu(key, dtype):
     ran.append(_run(op, key, *_convert((args, kwargs), dtype), dtype, "cuda"))
     if key not in CUDA_RAISES:
         assert any(ran), f"{key}: eager CUDA autocast raised for float32 and for {dtype} inputs"
+
+
+# ---- ops in neither registry that eager autocast still reaches: composites (decomposed, or kept in a
+# one-op autocast region when fake tensors cannot trace their decomposition, as cov's) and kernels that
+# call listed ops (bilinear's _trilinear), beside ones it does not reach. Forward values and dtypes, bitwise.
+
+
+def _unlisted_cases():
+    r = torch.randn
+    nn = torch.nn
+    torch.manual_seed(0)
+    sq = r(4, 4)
+    seq = r(3, 2, 4)
+    return {
+        "cov": (torch.cov, (sq,)),
+        "corrcoef": (torch.corrcoef, (sq,)),
+        "matrix_exp": (torch.linalg.matrix_exp, (sq,)),
+        "matrix_power": (lambda a: torch.linalg.matrix_power(a, 3), (sq,)),
+        "kron": (torch.kron, (sq, sq)),
+        "pairwise_distance": (nn.functional.pairwise_distance, (sq, r(4, 4))),
+        "matrix_norm_nuc": (lambda a: torch.linalg.matrix_norm(a, "nuc"), (sq,)),
+        "bilinear": (nn.Bilinear(4, 4, 3), (sq, r(4, 4))),
+        "rnn_tanh": (nn.RNN(4, 5, 2), (seq,)),
+        "gru": (nn.GRU(4, 5, 2), (seq,)),
+        "lstm_cell": (nn.LSTMCell(4, 5), (sq,)),
+        "transformer_decoder": (nn.TransformerDecoderLayer(4, 2, 8, dropout=0.0), (seq, r(3, 2, 4))),
+    }
+
+
+UNLISTED_CASES = sorted(_unlisted_cases())
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", UNLISTED_CASES)
+def test_unlisted_op_matches_eager_autocast(name, dtype):
+    fn, args = _unlisted_cases()[name]
+    with torch.autocast("cpu", dtype=dtype):
+        expected = fn(*args)
+    _assert_bitwise(fmp.torch.autocast_fx(fn, args, ("cpu", dtype))(*args), expected)
