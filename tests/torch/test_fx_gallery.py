@@ -123,16 +123,19 @@ def _images(num_classes=10):
 
 
 class _Block(nn.Module):
-    """A ResNet basic block: conv, BatchNorm, ReLU twice, plus the identity."""
+    """A ResNet basic block as torchvision writes it: in-place ReLUs and an in-place residual add."""
 
     def __init__(self, width):
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
         self.conv2, self.bn2 = nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
 
     def forward(self, x):
-        h = self.bn1(self.conv1(x)).relu()
-        return (self.bn2(self.conv2(h)) + x).relu()
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
 
 
 def _small_resnet():
@@ -140,7 +143,7 @@ def _small_resnet():
     net = nn.Sequential(
         nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False),
         nn.BatchNorm2d(8),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),
         nn.MaxPool2d(2),
         _Block(8),
         nn.AdaptiveAvgPool2d(1),
