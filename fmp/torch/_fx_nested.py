@@ -77,7 +77,7 @@ def decompose(rw: Any, node: torch.fx.Node, op: torch._ops.OpOverload, args: tup
             for key in ("stack_trace", "nn_module_stack"):
                 if key in node.meta:
                     n.meta[key] = node.meta[key]
-    out = rw.run(sub.graph, env, depth + 1)
+    out = rw.run(sub.graph, env, depth + 1, owner=sub)  # owner: tensor constants the decomposition made
     if isinstance(sub.graph._codegen, torch.fx.graph._PyTreeCodeGen):
         out = pytree.tree_unflatten(list(out), sub.graph._codegen.pytree_info.out_spec)
     rw.changed = True
