@@ -114,7 +114,7 @@ def _flops(x: float) -> str:
 
 def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: str) -> str:
     """Formats records as a fixed-width table followed by the summary."""
-    header = ("#", "op", "rule", "in before", "in after", "out before", "out after", "flops", "source")
+    header = ("#", "op", "rule", "in before", "in after", "out before", "out after", "flops", "scope", "source")
     rows = [
         (
             str(r.index),
@@ -125,6 +125,7 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
             _dtypes(r.out_before),
             _dtypes(r.out_after),
             _flops(r.flops),
+            r.scope,
             r.source,
         )
         for r in records
@@ -135,9 +136,24 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
     out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     out.append("")
     share = summary.get("low_precision_flop_share", 0.0)
+    islands = summary.get("float32_islands", 0)
     out.append(
         f"{summary.get('ops', 0)} ops, {_flops(summary.get('flops', 0)) or 0} flops, "
         f"{share:.1%} of flops in low precision, {summary.get('casts_inserted', 0)} casts inserted, "
-        f"{summary.get('float32_islands', 0)} float32 islands"
+        f"{islands} float32 island{'' if islands == 1 else 's'}"
     )
+    out += _by_rule(records)
     return "\n".join(out)
+
+
+def _by_rule(records: Iterable[OpRecord]) -> list[str]:
+    """One line per deciding rule: which ops it decided, with counts (``aten::linear x14``)."""
+    counts: dict[str, dict[str, int]] = {}
+    for r in records:
+        if r.category in ("lower_precision", "float32", "promote"):
+            per_op = counts.setdefault(r.category, {})
+            per_op[r.op] = per_op.get(r.op, 0) + 1
+    return [
+        f"{rule}: " + ", ".join(f"{op} x{n}" for op, n in sorted(per_op.items(), key=lambda kv: (-kv[1], kv[0])))
+        for rule, per_op in counts.items()
+    ]

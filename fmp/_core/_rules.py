@@ -92,6 +92,9 @@ class RuleSet:
     banned_messages: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # JAX promote ops that take a bias into a lower_precision op's result (see ``derive(epilogue=...)``)
     jax_epilogue: frozenset[str] = frozenset()
+    # unlisted torch CPU ops whose kernels call listed ops through the dispatcher: eager autocast reaches
+    # inside them, so the FX rewrite runs them in a one-op autocast region
+    torch_cpu_autocast_inside: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for field in ("jax", "torch_cpu", "torch_cuda"):
@@ -100,6 +103,7 @@ class RuleSet:
         object.__setattr__(self, "torch_cuda_variants", MappingProxyType(dict(self.torch_cuda_variants)))
         object.__setattr__(self, "banned_messages", MappingProxyType(dict(self.banned_messages)))
         object.__setattr__(self, "jax_epilogue", frozenset(self.jax_epilogue))
+        object.__setattr__(self, "torch_cpu_autocast_inside", frozenset(self.torch_cpu_autocast_inside))
         # the tables never change after this point: compute the key and hash once (autocast hashes the
         # rule set for its cache on every transformed jaxpr)
         object.__setattr__(self, "_cached_key", self._build_key())
@@ -116,6 +120,7 @@ class RuleSet:
             tuple(sorted(self.torch_cuda_variants.items())),
             tuple(sorted(self.banned_messages.items())),
             tuple(sorted(self.jax_epilogue)),
+            tuple(sorted(self.torch_cpu_autocast_inside)),
         )
 
     def __hash__(self) -> int:
@@ -315,6 +320,7 @@ DEFAULT_RULES = RuleSet(
     },
     banned_messages=dict(data.TORCH_CUDA_BANNED),
     jax_epilogue=data.JAX_EPILOGUE,
+    torch_cpu_autocast_inside=data.TORCH_CPU_AUTOCAST_INSIDE,
 )
 """The rule table fmp ships and uses by default: one [`RuleSet`][fmp.RuleSet] for both frameworks.
 

@@ -285,6 +285,19 @@ TORCH_CPU_LOWER_PRECISION = (
     "aten::scaled_dot_product_attention",
 )
 
+# Unlisted ops whose CPU kernels call listed ops through the dispatcher, so eager CPU autocast reaches
+# inside them: ``aten::_trilinear`` (what ``bilinear`` decomposes into) runs its ``bmm`` calls in the
+# autocast dtype and accumulates them into a float32 output; ``linalg_pinv`` multiplies its SVD factors
+# with ``matmul``. Found by running every op of the CPU and CUDA registries on CPU tensors, then the
+# CompositeExplicitAutograd ops (kernels made of other ops) that compute matrix products, eager autocast
+# against the FX rewrite (tests/torch/test_fx_ops.py).
+TORCH_CPU_AUTOCAST_INSIDE = (
+    "aten::_euclidean_dist",
+    "aten::_foreach_mm",
+    "aten::_trilinear",
+    "aten::linalg_pinv.atol_rtol_tensor",
+)
+
 TORCH_CPU_PROMOTE = (
     "aten::cat",
     "aten::index_copy",

@@ -19,65 +19,22 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from fmp._core import _dtypes
-from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
-from fmp._policy import Policy, get_policy
+from fmp._core._rules import RuleSet
+from fmp.torch._fx_casts import GRAD_LEAF, is_grad_leaf
 from fmp.torch._fx_common import _MSG_NO_META, Event, ambient_autocast
+from fmp.torch._fx_policy import resolve_policy
 from fmp.torch._fx_rewrite import Rewriter
 
-_LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-_DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
-
-_MSG_POLICY = (
-    "policy must be a (device_type, dtype) pair such as ('cpu', torch.bfloat16), a torch device type "
-    "('cpu' or 'cuda'), an fmp Policy or policy spec string ('mixed_bfloat16'), or None with "
-    "device_type=/dtype= keywords; got {got!r}"
+_MSG_OUTPUT = (
+    "autocast_fx traces programs whose outputs are tensors and plain values in pytree containers (tuples, lists, "
+    "dicts, dataclasses torch's pytree knows, Hugging Face ModelOutput); output {path} is a {kind}, which torch's "
+    "pytree cannot flatten, so neither autocast_fx nor torch.export can trace it.{hint}"
 )
-
-
-def resolve_policy(
-    policy: Any = None,
-    device_type: str | None = None,
-    dtype: Any = None,
-    rules: RuleSet | None = None,
-) -> tuple[str, torch.dtype, RuleSet]:
-    """Normalizes the accepted policy spellings to ``(device_type, low-precision dtype, rules)``."""
-    if rules is None:
-        rules = DEFAULT_RULES
-    elif not isinstance(rules, RuleSet):
-        raise TypeError(
-            f"rules must be an fmp.RuleSet (e.g. fmp.DEFAULT_RULES.derive(...)), got {type(rules).__name__}"
-        )
-    if isinstance(policy, tuple) and len(policy) == 2:
-        if device_type is not None or dtype is not None:
-            raise ValueError("policy=(device_type, dtype) and the device_type=/dtype= keywords are exclusive")
-        device_type, dtype = policy
-    elif isinstance(policy, str) and policy in TORCH_DEVICES:
-        if device_type is not None:
-            raise ValueError(f"policy={policy!r} names the device already; drop device_type={device_type!r}")
-        device_type = policy
-    elif isinstance(policy, Policy | str):
-        try:
-            pol = get_policy(policy)
-        except ValueError as err:
-            raise ValueError(f"{_MSG_POLICY.format(got=policy)}. {err}") from None
-        if dtype is not None:
-            raise ValueError("an fmp Policy fixes the compute dtype; drop the dtype= keyword")
-        dtype = pol.compute_dtype.name
-    elif policy is not None:
-        raise TypeError(_MSG_POLICY.format(got=policy))
-    device_type = "cpu" if device_type is None else device_type
-    if not isinstance(device_type, str) or device_type not in TORCH_DEVICES:
-        raise ValueError(f"device_type must be one of {TORCH_DEVICES}, got {device_type!r}")
-    if dtype is None:
-        dtype = _DEFAULT_DTYPE[device_type]
-    name = _dtypes.canonical_name(dtype) if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in _LOW:
-        raise ValueError(
-            f"the autocast dtype must be torch.bfloat16 or torch.float16 (torch autocast supports no other), "
-            f"got {dtype!r}"
-        )
-    return device_type, _LOW[name], rules
+_HINT_CACHE = (
+    " It is a Hugging Face KV cache: call the model with use_cache=False (for training and single forward "
+    "passes the cache is unused), e.g. functools.partial(model, use_cache=False) or model.config.use_cache = False."
+)
+_PLAIN_OUTPUTS = (torch.Tensor, int, float, bool, complex, str, type(None), torch.dtype, torch.device)
 
 
 def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
@@ -204,6 +161,7 @@ def trace(
             out = torch.func.functional_call(module, dict(zip(names, leaves[: len(names)], strict=True)), tuple(args))
         else:
             out = fn_or_module(*args)
+        _check_outputs(out)
         out_leaves, spec = pytree.tree_flatten(out)
         out_spec.append(spec)
         return out_leaves
@@ -230,11 +188,23 @@ def trace(
         except (RuntimeError, NotImplementedError, Warning):  # Warning: when warnings are errors
             if i == len(attempts) - 1:
                 raise
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][len(names) :]
+    for node, leaf in zip(inputs, in_leaves, strict=True):  # torch's cast cache keeps casts of these
+        node.meta[GRAD_LEAF] = is_grad_leaf(leaf)
     target = fn_or_module.forward if module is not None else fn_or_module
     codegen = torch.fx.graph._PyTreeCodeGen(
         torch.fx.graph._PyTreeInfo(_arg_names(target, len(example_inputs)), in_spec, out_spec[0])
     )
     return gm, names, codegen
+
+
+def _check_outputs(out: Any) -> None:
+    """Raises a TypeError naming the first output leaf torch's pytree cannot flatten (a KV cache object)."""
+    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, _PLAIN_OUTPUTS):
+            kind = type(leaf).__name__
+            hint = _HINT_CACHE if "Cache" in kind or "past_key_values" in pytree.keystr(path) else ""
+            raise TypeError(_MSG_OUTPUT.format(path=f"output{pytree.keystr(path)}", kind=kind, hint=hint))
 
 
 def _copy_leaf(x: Any) -> Any:
@@ -323,7 +293,9 @@ def autocast_fx(
       A ``torch.fx.GraphModule``.
 
     Raises:
-      TypeError, ValueError: bad arguments or policy.
+      TypeError, ValueError: bad arguments or policy; an output torch's pytree
+        cannot flatten, such as a Hugging Face ``DynamicCache`` (call the model
+        with ``use_cache=False``, e.g. through ``functools.partial``).
 
     Examples:
       >>> import torch

@@ -124,6 +124,34 @@ def _dtype_overload(op: torch._ops.OpOverload, args: tuple) -> tuple[torch._ops.
     return target, tuple(full)
 
 
+def _eligible(v: Any, device: str) -> bool:
+    """Whether autocast on ``device`` casts ``v``: a floating tensor on that device, not float64."""
+    return _is_tensor(v) and v.dtype.is_floating_point and v.dtype != torch.float64 and v.device.type == device
+
+
+def cuda_variant_call(
+    variant: str, op: torch._ops.OpOverload, args: tuple, kwargs: dict, first: Any, device: str
+) -> tuple[torch._ops.OpOverload, tuple, dict, bool]:
+    """The call AutocastCUDA makes for a float32 op that takes a dtype instead of casting its inputs.
+
+    torch passes ``dtype=float32`` (``set_opt_dtype``) or calls the dtype overload
+    (``append_dtype``) only when the first argument is eligible; ``append_dtype``
+    passes the first argument's own dtype otherwise. Returns the op, args and kwargs
+    to emit, and whether they differ from the call as written.
+    """
+    if _eligible(first, device):
+        if variant == "set_opt_dtype":
+            if kwargs.get("dtype") is None:
+                return op, args, {**kwargs, "dtype": torch.float32}, True
+            return op, args, kwargs, False
+        target, args = _dtype_overload(op, args)
+        return target, args, {**kwargs, "dtype": torch.float32}, True
+    if variant == "append_dtype" and _is_tensor(first):
+        target, args = _dtype_overload(op, args)
+        return target, args, {**kwargs, "dtype": first.dtype}, True
+    return op, args, kwargs, False
+
+
 def _same_meta(old: Any, new: Any) -> bool:
     if old is new:
         return True

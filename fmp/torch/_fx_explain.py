@@ -64,6 +64,18 @@ def _flops(op: str, node: torch.fx.Node) -> float:
     return 0.0
 
 
+def _cast_scope(node: torch.fx.Node, origin: torch.fx.Node) -> str:
+    """What an inserted cast casts: a parameter's qualified name, a graph input, or the consumer's activation."""
+    operand = node.args[0] if node.args else None
+    if isinstance(operand, torch.fx.Node) and operand.op == "get_attr":
+        return str(operand.target)
+    if isinstance(operand, torch.fx.Node) and operand.op == "placeholder":
+        return f"input {operand.target}"
+    name = f"{operand.name} (activation)" if isinstance(operand, torch.fx.Node) else "activation"
+    scope = _scope(origin)
+    return f"{scope}: {name}" if scope else name
+
+
 def records(events: list[Event]) -> tuple[OpRecord, ...]:
     rows = []
     for i, ev in enumerate(events):
@@ -74,7 +86,7 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
                 index=i,
                 op=ev.op,
                 source=_source(origin),
-                scope=_scope(origin),
+                scope=_cast_scope(node, origin) if ev.category == "cast" else _scope(origin),
                 category=ev.category,
                 in_before=ev.in_before,
                 in_after=ev.in_after,
@@ -111,8 +123,8 @@ def explain_graph(
       >>> import torch
       >>> from torch.fx.experimental.proxy_tensor import make_fx
       >>> gm = make_fx(lambda a: torch.mm(a, a).sum(), pre_dispatch=True)(torch.ones(2, 2))
-      >>> [(r.op, r.category) for r in fmp.torch.explain_graph(gm, "cpu").records]
-      [('aten::_to_copy', 'cast'), ('aten::mm', 'lower_precision'), ('aten::sum', 'unlisted')]
+      >>> [(r.op, r.category) for r in fmp.torch.explain_graph(gm, "cpu").records]  # a cast per use, as eager
+      [('aten::_to_copy', 'cast'), ('aten::_to_copy', 'cast'), ('aten::mm', 'lower_precision'), ('aten::sum', 'unlisted')]
     """
     if not isinstance(graph_module, torch.fx.GraphModule):
         raise TypeError(f"graph_module must be a torch.fx.GraphModule, got {type(graph_module).__name__}")

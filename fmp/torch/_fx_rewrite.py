@@ -10,44 +10,49 @@ recursively when their decomposition reaches a listed op, because that is how
 eager autocast treats them (``einsum``, ``tensordot`` on CPU). Traced
 ``_enter_autocast``/``_exit_autocast`` regions and ``wrap_with_autocast``
 submodules switch the per-device state for the ops inside them.
+
+Beside this module: ``_fx_values`` builds the new graph and its fake values,
+``_fx_casts`` decides which uses share a cast (torch's cast cache), ``_fx_nested``
+holds decompositions, higher-order ops and one-op autocast regions, and
+``_fx_before`` the explain report's values without autocast.
 """
 
 from __future__ import annotations
 
-import logging
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fmp._core._rules import Category, RuleSet, decide
+from fmp.torch._fx_before import inputs_before, plain
+from fmp.torch._fx_casts import CastCache
 from fmp.torch._fx_common import (
     _ASSERT_META,
     _CIA,
     _MAX_DEPTH,
-    _MSG_HOP,
     _MSG_OPAQUE,
     _RUN,
     _TO_COPY,
     Event,
     _device_of,
     _dtype_name,
-    _dtype_overload,
+    _eligible,
     _float_names,
     _is_tensor,
     _prioritize,
     _same_meta,
-    ambient_autocast,
+    cuda_variant_call,
     op_key,
 )
+from fmp.torch._fx_nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST, UNTRACEABLE, decompose, hop, in_region
+from fmp.torch._fx_values import GraphBuilder
 
 
-class Rewriter:
+class Rewriter(GraphBuilder):
     """Rewrites one graph (and the graphs nested in it) into ``self.graph``.
 
     ``state`` maps a device type to ``(enabled, dtype)``, the autocast state an op
@@ -62,78 +67,33 @@ class Rewriter:
         attrs: dict[str, Any],
         events: list[Event] | None = None,
     ) -> None:
+        super().__init__(fake_mode, attrs)
         self.rules = rules
         self.state = dict(state)
-        self.fake_mode = fake_mode
-        self.attrs = attrs  # get_attr target -> object, for the new GraphModule's root
         self.events = events
-        self.graph = torch.fx.Graph()
-        self.vals: dict[torch.fx.Node, Any] = {}  # new node -> fake value
-        self._cast_memo: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
-        self._probe_cache: dict[Any, bool] = {}
+        self._casts = CastCache(attrs)  # shared casts (torch's cast cache)
+        self.probe_cache: dict[Any, bool] = {}  # decompositions known to change nothing (see _fx_nested)
         self._region_saved: dict[torch.fx.Node, dict[str, tuple[bool, torch.dtype]]] = {}
-        self._before: dict[torch.fx.Node, Any] = {}  # node -> value with autocast off (explain only)
+        self.before: dict[torch.fx.Node, Any] = {}  # node -> value with autocast off (explain only, _fx_before)
         self.changed = False
 
-    # ---- values -------------------------------------------------------------------------------
-    def _fake(self, v: Any) -> Any:
-        """``v`` (a value or a structure) with every tensor a fake tensor of ``self.fake_mode``."""
-
-        def leaf(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if isinstance(t, FakeTensor):
-                if t.fake_mode is self.fake_mode:
-                    return t
-                with self.fake_mode:  # recorded by another mode (real-mode traces make one per node)
-                    return torch.empty_strided(
-                        t.shape, t.stride(), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad
-                    )
-            return self.fake_mode.from_tensor(t)
-
-        return pytree.tree_map(leaf, v)
-
-    def _val(self, a: Any) -> Any:
-        """The fake value of a new-graph argument (a node, a constant or a nested structure)."""
-        return torch.fx.node.map_aggregate(a, lambda x: self.vals.get(x) if isinstance(x, torch.fx.Node) else x)
-
-    def _run_fake(self, target: Callable, args: Any, kwargs: Any) -> Any:
-        with self.fake_mode:
-            return target(*self._val(args), **self._val(kwargs))
-
-    def _emit(
-        self,
-        target: Callable,
-        args: tuple,
-        kwargs: dict,
-        like: torch.fx.Node | None,
-        val: Any = _RUN,
-        name: str | None = None,
-    ):
-        value = self._run_fake(target, args, kwargs) if val is _RUN else val
-        if name is None and like is not None:
-            name = like.name
-        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
-        if like is not None:
-            for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
-                if key in like.meta:
-                    node.meta[key] = like.meta[key]
-        self.vals[node] = value
-        if self.vals[node] is not None:
-            node.meta["val"] = self.vals[node]
-        return node
-
-    def _cast(self, src: torch.fx.Node, dtype: torch.dtype, like: torch.fx.Node | None) -> torch.fx.Node:
-        key = (src, dtype)
-        if key not in self._cast_memo:
-            short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "cast")
-            node = self._emit(_TO_COPY, (src,), {"dtype": dtype}, like, name=f"{src.name}_{short}")
-            self._cast_memo[key] = node
-            if self.events is not None:
-                before = _float_names(self.vals[src])
-                self.events.append(Event("aten::_to_copy", "cast", node, like, before, (_dtype_name(dtype),), before))
+    def _cast(
+        self, src: torch.fx.Node, dtype: torch.dtype, like: torch.fx.Node | None, compute: torch.dtype | None
+    ) -> torch.fx.Node:
+        """A cast of ``src`` to ``dtype`` for one use: shared only where torch's cast cache would share it."""
+        key = self._casts.key(src, self.vals.get(src), dtype, compute)
         self.changed = True
-        return self._cast_memo[key]
+        shared = self._casts.get(key, dtype) if key is not None else None
+        if shared is not None:
+            return shared
+        short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "cast")
+        node = self.emit(_TO_COPY, (src,), {"dtype": dtype}, like, name=f"{src.name}_{short}")
+        if key is not None:
+            self._casts.put(key, dtype, node)
+        if self.events is not None:
+            before = _float_names(self.vals[src])
+            self.events.append(Event("aten::_to_copy", "cast", node, like, before, (_dtype_name(dtype),), before))
+        return node
 
     # ---- the graph walk -----------------------------------------------------------------------
     def run(self, graph: torch.fx.Graph, env: dict[torch.fx.Node, Any], depth: int = 0, owner: Any = None) -> Any:
@@ -156,15 +116,15 @@ class Rewriter:
                     obj = owner
                     for part in target.split("."):
                         obj = getattr(obj, part)
-                    target = self._fresh_attr(target.replace(".", "_"))
+                    target = self.fresh_attr(target.replace(".", "_"))
                     self.attrs[target] = obj
                 new = self.graph.get_attr(target)
                 new.meta.update(node.meta)
                 obj = self.attrs.get(target)
                 if "val" in node.meta:
-                    self.vals[new] = self._fake(node.meta["val"])
+                    self.vals[new] = self.fake(node.meta["val"])
                 elif isinstance(obj, torch.Tensor):
-                    self.vals[new] = self._fake(obj)
+                    self.vals[new] = self.fake(obj)
                 env[node] = new
             elif node.op == "output":
                 return torch.fx.node.map_arg(node.args[0], lambda n: env[n])
@@ -174,44 +134,18 @@ class Rewriter:
                 env[node] = self._opaque(node, env)
         return None
 
-    # ---- "before" values for the report: the program run with autocast off ---------------------
-    def _plain(self, node: torch.fx.Node) -> Any:
-        """The value ``node`` has without any autocast (traced values may already show autocast's dtypes)."""
-        if node in self._before:
-            return self._before[node]
-        val = node.meta.get("val")
-        if node.op == "call_function" and (
-            isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
-        ):
-            args = torch.fx.node.map_arg((node.args, node.kwargs), self._plain)
-            quiet = logging.getLogger("torch._subclasses.fake_tensor")
-            level = quiet.level
-            quiet.setLevel(logging.CRITICAL)  # a failing meta kernel logs a traceback before raising
-            try:
-                with self.fake_mode:
-                    val = node.target(*self._fake(args[0]), **self._fake(args[1]))
-            except Exception:  # noqa: BLE001  (an op that only runs under autocast: keep the traced value)
-                val = node.meta.get("val")
-            finally:
-                quiet.setLevel(level)
-        self._before[node] = val
-        return val
-
-    def _inputs_before(self, node: torch.fx.Node) -> tuple[str, ...]:
-        return _float_names(list(torch.fx.node.map_arg((node.args, node.kwargs), self._plain)))
-
     def _opaque(self, node: torch.fx.Node, env: dict) -> torch.fx.Node:
         changed = any(not _same_meta(a.meta.get("val"), self.vals.get(env[a])) for a in node.all_input_nodes)
         if changed:
             raise NotImplementedError(_MSG_OPAQUE.format(node=node.name, op=node.op))
         new = self.graph.node_copy(node, lambda n: env[n])
         if "val" in node.meta:
-            self.vals[new] = self._fake(node.meta["val"])
+            self.vals[new] = self.fake(node.meta["val"])
         return new
 
     def _set_val(self, new: torch.fx.Node, old: torch.fx.Node) -> None:
         if "val" in old.meta:
-            self.vals[new] = self._fake(old.meta["val"])
+            self.vals[new] = self.fake(old.meta["val"])
 
     def _call(self, node: torch.fx.Node, env: dict, depth: int) -> Any:
         target = node.target
@@ -219,25 +153,25 @@ class Rewriter:
             return env[node.args[0]][node.args[1]]  # an inlined multi-output region
         args = torch.fx.node.map_arg(node.args, lambda n: env[n])
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
-        if target is torch.amp.autocast_mode._enter_autocast:
+        if target is _ENTER_AUTOCAST:
             device, dtype, enabled = args[0], args[1], args[2]
             self._region_saved[node] = dict(self.state)
             self.state[device] = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
             self.changed = True
             return None  # the region's casts are explicit now
-        if target is torch.amp.autocast_mode._exit_autocast:
+        if target is _EXIT_AUTOCAST:
             enter = node.args[0]
             if isinstance(enter, torch.fx.Node) and enter in self._region_saved:
                 self.state = self._region_saved.pop(enter)
             return None
         if isinstance(target, torch._ops.HigherOrderOperator):
-            return self._hop(node, args, kwargs, depth)
+            return hop(self, node, args, kwargs, depth)
         if target is torch._C._set_grad_enabled:
-            self._cast_memo.clear()  # a cast made without grad must not feed a use that needs one
+            self._casts.clear()
         if target is _ASSERT_META and "dtype" in kwargs and isinstance(args[0], torch.fx.Node):
             # export's dtype assertions describe the program before the rewrite
             kwargs = {**kwargs, "dtype": self.vals[args[0]].dtype}
-            return self._emit(target, args, kwargs, node, val=None)
+            return self.emit(target, args, kwargs, node, val=None)
         if isinstance(target, torch._ops.OpOverload):
             return self._op(node, target, args, kwargs, depth)
         return self._copy(node, args, kwargs)
@@ -250,15 +184,15 @@ class Rewriter:
         same = len(old_vals) == len(new_inputs) and all(
             _same_meta(o, self.vals.get(n)) for o, n in zip(old_vals, new_inputs, strict=True)
         )
-        val = self._fake(node.meta.get("val")) if same else _RUN
-        new = self._emit(node.target, args, kwargs, node, val=val)
+        val = self.fake(node.meta.get("val")) if same else _RUN
+        new = self.emit(node.target, args, kwargs, node, val=val)
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         return new
 
     # ---- ATen ops ------------------------------------------------------------------------------
     def _op(self, node: torch.fx.Node, op: torch._ops.OpOverload, args: tuple, kwargs: dict, depth: int):
         key = op_key(op)
-        leaves = [v for v in pytree.tree_leaves(self._val((args, kwargs))) if _is_tensor(v)]
+        leaves = [v for v in pytree.tree_leaves(self.value_of((args, kwargs))) if _is_tensor(v)]
         device = _device_of(leaves)
         enabled, compute = self.state.get(device, (False, None)) if device else (False, None)
         category = self.rules.category(key, "torch", device) if enabled and device in ("cpu", "cuda") else None
@@ -266,44 +200,33 @@ class Rewriter:
             raise RuntimeError(self.rules.banned_message(key))
         if category in (Category.LOWER_PRECISION, Category.FLOAT32, Category.PROMOTE):
             return self._listed(node, op, key, category, device, compute, args, kwargs)
+        inlined = None
         if enabled and op.has_kernel_for_dispatch_key(_CIA) and depth < _MAX_DEPTH:
-            inlined = self._decompose(node, op, args, kwargs, depth)
-            if inlined is not None:
+            inlined = decompose(self, node, op, args, kwargs, depth)
+            if inlined is not None and inlined is not UNTRACEABLE:
                 return inlined
-        new = self._copy(node, args, kwargs)
-        self._invalidate(op, args, kwargs)
+        # autocast reaches inside the op's kernel or its untraceable decomposition: keep it in a region
+        inside = enabled and (inlined is UNTRACEABLE or device == "cpu" and key in self.rules.torch_cpu_autocast_inside)
+        new = in_region(self, node, op, device, compute, args, kwargs) if inside else self._copy(node, args, kwargs)
+        self._casts.invalidate(op, args, kwargs)
         if self.events is not None:
-            ins = _float_names(self._val((args, kwargs)))
+            ins = _float_names(self.value_of((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
+            cat = f"{cat} (autocast inside)" if inside else cat
             self.events.append(
-                Event(key, cat, new, node, self._inputs_before(node), ins, _float_names(self._plain(node)))
+                Event(key, cat, new, node, inputs_before(self, node), ins, _float_names(plain(self, node)))
             )
         return new
 
-    def _eligible(self, v: Any, device: str) -> bool:
-        return _is_tensor(v) and v.dtype.is_floating_point and v.dtype != torch.float64 and v.device.type == device
-
     def _listed(self, node, op, key, category, device, compute, args, kwargs):
-        vals = self._val((args, kwargs))
-        eligible = [v.dtype for v in pytree.tree_leaves(vals) if self._eligible(v, device)]
+        vals = self.value_of((args, kwargs))
+        eligible = [v.dtype for v in pytree.tree_leaves(vals) if _eligible(v, device)]
         variant = self.rules.torch_cuda_variants.get(key) if device == "cuda" else None
         target_op = op
         if variant is not None and category is Category.FLOAT32:
-            # torch passes dtype=float32 (or calls the dtype overload) only if the first arg is eligible
             first = vals[0][0] if vals[0] else None
-            if self._eligible(first, device):
-                if variant == "set_opt_dtype":
-                    if kwargs.get("dtype") is None:
-                        kwargs = {**kwargs, "dtype": torch.float32}
-                        self.changed = True
-                else:
-                    target_op, args = _dtype_overload(op, args)
-                    kwargs = {**kwargs, "dtype": torch.float32}
-                    self.changed = True
-            elif variant == "append_dtype" and _is_tensor(first):
-                target_op, args = _dtype_overload(op, args)
-                kwargs = {**kwargs, "dtype": first.dtype}
-                self.changed = True
+            target_op, args, kwargs, changed = cuda_variant_call(variant, op, args, kwargs, first, device)
+            self.changed |= changed
             target = None
         else:
             if category is Category.PROMOTE:
@@ -311,134 +234,26 @@ class Rewriter:
             name = decide(category, _dtype_name(compute), [_dtype_name(d) for d in eligible])
             target = getattr(torch, name) if name is not None else None
         if target is not None:
-            memo: dict[torch.fx.Node, torch.fx.Node] = {}
 
             def cast(n: torch.fx.Node) -> torch.fx.Node:
                 v = self.vals.get(n)
-                if self._eligible(v, device) and v.dtype != target:
-                    if n not in memo:
-                        memo[n] = self._cast(n, target, node)
-                    return memo[n]
-                return n
+                return self._cast(n, target, node, compute) if _eligible(v, device) and v.dtype != target else n
 
             args = torch.fx.node.map_arg(args, cast)
             kwargs = torch.fx.node.map_arg(kwargs, cast)
         try:
-            new = self._emit(target_op, args, kwargs, node)
+            new = self.emit(target_op, args, kwargs, node)
         except (RuntimeError, NotImplementedError):
             if target is None:
                 raise
             # no fake kernel: the op ran in `target`, so its floating outputs are `target`
-            new = self._emit(target_op, args, kwargs, node, val=self._retype(node.meta.get("val"), target))
+            new = self.emit(target_op, args, kwargs, node, val=self.retype(node.meta.get("val"), target))
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-        self._invalidate(target_op, args, kwargs)
+        self._casts.invalidate(target_op, args, kwargs)
         if self.events is not None:
             rule = category.value if variant is None else f"{category.value} ({variant})"
-            ins = _float_names(self._val((args, kwargs)))
+            ins = _float_names(self.value_of((args, kwargs)))
             self.events.append(
-                Event(key, rule, new, node, self._inputs_before(node), ins, _float_names(self._plain(node)))
+                Event(key, rule, new, node, inputs_before(self, node), ins, _float_names(plain(self, node)))
             )
         return new
-
-    def _retype(self, val: Any, dtype: torch.dtype | None) -> Any:
-        def leaf(v: Any) -> Any:
-            if dtype is not None and _is_tensor(v) and v.dtype.is_floating_point:
-                with self.fake_mode:
-                    return self._fake(v).to(dtype)
-            return v
-
-        if val is None:
-            raise RuntimeError("no value recorded for the node")
-        return pytree.tree_map(leaf, val)
-
-    def _invalidate(self, op: Any, args: tuple, kwargs: dict) -> None:
-        """Drops memoized casts of a tensor an in-place op writes to (the cast would be stale)."""
-        if not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
-            return
-        written = []
-        for i, arg in enumerate(op._schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                value = kwargs.get(arg.name, args[i] if i < len(args) and not arg.kwarg_only else None)
-                torch.fx.node.map_arg(value, written.append)
-        for key in [k for k in self._cast_memo if k[0] in written]:
-            del self._cast_memo[key]
-
-    # ---- CompositeImplicitAutograd ops: decompose when autocast would see inside -----------
-    def _decompose(self, node, op, args, kwargs, depth):
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        flat_vals = [self.vals.get(a) if isinstance(a, torch.fx.Node) else a for a in flat]
-        sig = tuple(
-            (v.dtype, v.device.type, tuple(v.shape), tuple(v.stride())) if _is_tensor(v) else repr(v) for v in flat_vals
-        )
-        cache_key = (op, sig, tuple(sorted(self.state.items())))
-        if self._probe_cache.get(cache_key) is False:
-            return None
-
-        def call(*leaves):
-            a, k = pytree.tree_unflatten(list(leaves), spec)
-            return op(*a, **k)
-
-        try:
-            with ambient_autocast(self.state):  # values as eager autocast computes them
-                sub = make_fx(call, pre_dispatch=True, decomposition_table={op: op.decompose})(*flat_vals)
-        except Exception:  # noqa: BLE001  (a decomposition fake tensors cannot trace stays one node)
-            self._probe_cache[cache_key] = False
-            return None
-        probe = Rewriter(self.rules, self.state, self.fake_mode, {}, None)
-        probe._probe_cache = self._probe_cache
-        probe.run(sub.graph, {}, depth + 1)
-        self._probe_cache[cache_key] = probe.changed
-        if not probe.changed:
-            return None
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env: dict[torch.fx.Node, Any] = dict(zip(placeholders, flat, strict=True))
-        for n in sub.graph.nodes:  # a decomposition exists only under autocast: its values are "before"
-            self._before[n] = n.meta.get("val")
-        for n in sub.graph.nodes:  # the decomposition's nodes report the user's source line
-            if n.op == "call_function":
-                for key in ("stack_trace", "nn_module_stack"):
-                    if key in node.meta:
-                        n.meta[key] = node.meta[key]
-        out = self.run(sub.graph, env, depth + 1)
-        if isinstance(sub.graph._codegen, torch.fx.graph._PyTreeCodeGen):
-            out = pytree.tree_unflatten(list(out), sub.graph._codegen.pytree_info.out_spec)
-        self.changed = True
-        return out
-
-    # ---- higher-order ops -----------------------------------------------------------------
-    def _hop(self, node: torch.fx.Node, args: tuple, kwargs: dict, depth: int) -> Any:
-        name = node.target.name()
-        if name == "wrap_with_autocast":
-            device, dtype, enabled = node.args[:3]
-            sub = self.attrs[args[4].target]
-            saved = dict(self.state)
-            self.state[device] = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
-            placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-            env = dict(zip(placeholders, args[5:], strict=True))
-            out = self.run(sub.graph, env, depth, owner=sub)
-            self.state = saved
-            self.changed = True
-            return tuple(out) if isinstance(out, list) else out
-        if name == "wrap_with_set_grad_enabled":
-            enabled = node.args[0]
-            sub = self.attrs[args[1].target]
-            inner = Rewriter(self.rules, self.state, self.fake_mode, dict(self.attrs), self.events)
-            inner._probe_cache = self._probe_cache
-            env = {}
-            for p, a in zip([n for n in sub.graph.nodes if n.op == "placeholder"], args[2:], strict=True):
-                env[p] = inner.graph.placeholder(p.target)
-                env[p].meta.update(p.meta)
-                inner.vals[env[p]] = self.vals.get(a) if isinstance(a, torch.fx.Node) else a
-            inner.graph.output(inner.run(sub.graph, env, depth, owner=sub))
-            self.changed |= inner.changed
-            name = self._fresh_attr(args[1].target)
-            self.attrs[name] = torch.fx.GraphModule(inner.attrs, inner.graph)
-            getter = self.graph.get_attr(name)
-            return self._emit(node.target, (enabled, getter, *args[2:]), kwargs, node)
-        raise NotImplementedError(_MSG_HOP.format(op=name, node=node.name))
-
-    def _fresh_attr(self, base: str) -> str:
-        i = 0
-        while f"{base}_fmp{i}" in self.attrs:
-            i += 1
-        return f"{base}_fmp{i}"
