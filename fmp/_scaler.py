@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -612,35 +611,14 @@ class GradScaler:
 
     @staticmethod
     def register_flax_serialization() -> None:
-        """Registers GradScaler with ``flax.serialization`` (imports flax).
+        """Registers GradScaler with ``flax.serialization`` now (imports flax).
 
-        Done automatically when ``fmp`` is imported after flax; call it if you import flax later
-        and serialize a state holding a scaler with ``flax.serialization.to_bytes``.
+        Not needed: ``import fmp`` arranges for the registration to happen whenever flax is imported,
+        before or after fmp, so ``flax.serialization.to_state_dict(scaler)`` and ``to_bytes`` work as they
+        are. Kept for code that calls it; calling it again is harmless.
         """
         from flax import serialization
 
-        serialization.register_serialization_state(
-            GradScaler, _flax_to_state_dict, _flax_from_state_dict, override=True
-        )
+        from fmp import _flax_serialization
 
-
-def _flax_to_state_dict(s: GradScaler) -> dict[str, Any]:
-    return {
-        "loss_scale": s.loss_scale,
-        "growth_tracker": s.growth_tracker,
-        "consecutive_overflows": s.consecutive_overflows,
-    }
-
-
-def _flax_from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScaler:
-    return dataclasses.replace(
-        target,
-        loss_scale=jnp.asarray(state["loss_scale"], jnp.float32),
-        growth_tracker=jnp.asarray(state["growth_tracker"], jnp.int32),
-        # absent from checkpoints written before the field existed
-        consecutive_overflows=jnp.asarray(state.get("consecutive_overflows", 0), jnp.int32),
-    )
-
-
-if "flax.serialization" in sys.modules:  # pragma: no cover - depends on import order
-    GradScaler.register_flax_serialization()
+        _flax_serialization.register(serialization)
