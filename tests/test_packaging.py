@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,22 @@ def test_import_fmp_works_without_torch_optax_flax():
         + "import jax.numpy as jnp, fmp\nprint(fmp.GradScaler(init_scale=4.0).scale(jnp.float32(2.0)))\n"
     )
     assert out.strip() == "8.0"
+
+
+def test_pyproject_claims_only_what_is_tested():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    import jax
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = {r.name: r for r in map(Requirement, project["dependencies"])}
+    # the JAX range is the minor version tested here, and it holds the installed one
+    for name in ("jax", "jaxlib"):
+        assert reqs[name].specifier.contains(jax.__version__), (name, jax.__version__)
+        assert not reqs[name].specifier.contains("0.11.0"), f"{name}: 0.11 is untested"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    versions = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")]
+    assert py in versions, (versions, py)
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "CUDA)" not in text and "0.11.x" not in text
+    assert "Typing :: Typed" in project["classifiers"] and (ROOT / "fmp" / "py.typed").exists()
