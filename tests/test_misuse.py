@@ -147,3 +147,18 @@ def test_override_inside_a_flax_module_matches():
     fmp.autocast(m.apply, "mixed_float16", overrides={"LayerNorm": "float32"})(params, x)  # silent
     with pytest.warns(UserWarning, match=re.escape("overrides key 'Layernorm' matches no jax.named_scope")):
         fmp.autocast(m.apply, "mixed_float16", overrides={"Layernorm": "float32"})(params, x)
+
+
+@pytest.mark.parametrize("value", [jnp.ones(2), np.ones(2, np.float32)], ids=["jax", "numpy"])
+def test_torch_facade_scaler_refuses_other_arrays(value):
+    import fmp.torch as amp
+
+    # before: torch.amp's rule iterates any iterable, so an array came back as a lazy `map` object
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    with pytest.raises(ValueError) as err:
+        amp.GradScaler("cpu").scale([torch.ones(()), value])
+    assert str(err.value) == (
+        f"outputs must be a Tensor or an iterable of Tensors, got a {kind}: fmp.torch.GradScaler scales torch "
+        "tensors (torch.amp's API). For JAX use fmp.GradScaler (scaler.scale(loss), fmp.value_and_grad); otherwise "
+        "convert with torch.as_tensor(x)."
+    )

@@ -46,6 +46,12 @@ _MSG_SCALE_NONE = (
     "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
 )
 _MSG_OUTPUTS = "outputs must be a Tensor or an iterable of Tensors"
+# torch would iterate such an array and hand back a lazy map that fails (or scales nothing) later
+_MSG_FOREIGN_OUTPUTS = (
+    "outputs must be a Tensor or an iterable of Tensors, got a {kind}: fmp.torch.GradScaler scales torch "
+    "tensors (torch.amp's API). For JAX use fmp.GradScaler (scaler.scale(loss), fmp.value_and_grad); otherwise "
+    "convert with torch.as_tensor(x)."
+)
 _MSG_UNSCALE_TWICE = "unscale_() has already been called on this optimizer since the last update()."
 _MSG_UNSCALE_AFTER_STEP = "unscale_() is being called after step()."
 _MSG_FP16 = "Attempting to unscale FP16 gradients."
@@ -282,7 +288,8 @@ class GradScaler:
         as a lazy ``map`` (torch's behaviour). Disabled: returns ``outputs``.
 
         Raises:
-          ValueError: a leaf is neither a tensor nor an iterable.
+          ValueError: a leaf is neither a tensor nor an iterable, or is another framework's array (a JAX or
+            NumPy array, which torch would iterate into a lazy ``map`` that scales nothing).
         """
         if not self._enabled:
             return outputs
@@ -300,6 +307,9 @@ class GradScaler:
                         self._lazy_init_scale_growth_tracker(value.device)
                     copies.append(_PerDevice(self._check_scale_growth_tracker("scale")[0]))
                 return value * copies[0].get(value.device)
+            if hasattr(value, "dtype") or hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
+                kind = f"{type(value).__module__}.{type(value).__qualname__}"
+                raise ValueError(_MSG_FOREIGN_OUTPUTS.format(kind=kind))
             if isinstance(value, abc.Iterable):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, list | tuple) else mapped
