@@ -67,6 +67,10 @@ def test_autocast_refuses_torch_tensors():
     with pytest.raises(TypeError) as err:
         f(jnp.ones(2), w={"a": [1, torch.ones(2)]})
     assert str(err.value) == "fmp.autocast: argument keyword argument 'w'['a'][1]" + _FIX_AUTOCAST
+    # fmp.explain would report an empty program
+    with pytest.raises(TypeError) as err:
+        fmp.explain(lambda x: x * 2)(torch.ones(2))
+    assert str(err.value) == "fmp.explain: argument positional argument 0" + _FIX_AUTOCAST
 
 
 _NO_EFFECT = (

@@ -20,7 +20,7 @@ from fmp._core import _dtypes
 from fmp._policy import Policy
 
 _MSG_FOREIGN_ARG = (
-    "fmp.autocast: argument {where} is a {kind}, not a JAX array: fmp.autocast rewrites JAX programs, and "
+    "{api}: argument {where} is a {kind}, not a JAX array: fmp.autocast rewrites JAX programs, and "
     "this value would reach the function as a static Python object and run outside the policy. For torch "
     "code use fmp.torch.autocast (torch.autocast's API) or fmp.torch.autocast_fx; to run JAX on it, "
     "convert it first (jnp.asarray(x), or jax.dlpack.from_dlpack(x) to share memory)."
@@ -43,13 +43,13 @@ _MSG_OVERRIDE_UNUSED = (
 )
 
 
-def check_args(args: tuple, kwargs: dict) -> None:
+def check_args(args: tuple, kwargs: dict, api: str = "fmp.autocast") -> None:
     """Raises TypeError if an argument leaf is another framework's array."""
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         kind = foreign_kind(leaf)
         if kind is not None:
             where = _arg_name(path)
-            raise TypeError(_MSG_FOREIGN_ARG.format(where=where, kind=kind))
+            raise TypeError(_MSG_FOREIGN_ARG.format(api=api, where=where, kind=kind))
 
 
 def _arg_name(path: tuple) -> str:
