@@ -10,14 +10,17 @@ The same MLP (64 -> 256 -> 256 -> 256 -> 10, GELU) and the same batches are trai
 
 The loss is the softmax cross-entropy averaged over the batch (nothing rescaled), so the gradient of each
 logit is ``(softmax - onehot) / batch``; it shrinks as the model learns, and in the backward pass of a float16
-matmul values below 2**-24 (6e-8) become zero. The run reports, at each model's final parameters, how many
-gradient elements that are non-zero in float32 come out exactly zero in that run's gradient (flushed to zero).
+matmul values below 2**-24 (6e-8) become zero. At ``--checks`` points during training and at the end, each run
+measures, on the whole training set at its current parameters, how many gradient elements that are non-zero in
+float32 come out exactly zero in that run's gradient (flushed to zero). steps/s is one over the median step time
+(each step waited for; the probes are not timed).
 
 Prints the ``fmp.explain`` summary of the model, a progress bar per run, then a table (test accuracy, the
 training-set loss at the final parameters evaluated in float32, steps/s, compiled memory of the train step
 from ``memory_analysis()``, skipped steps, final loss scale, flushed gradient elements) and writes
-``fmp_main.png`` (loss curves and the loss-scale trajectory with the skipped steps marked) to the output
-folder.
+``fmp_main.png`` to the output folder: (a) the loss curves on a linear axis, (b) the flushed fraction over
+training per run, (c) the loss-scale trajectory with the skipped steps marked, (d) steps/s and compiled memory
+per run.
 
     pip install -e ".[examples]" && python examples/main.py
     python examples/main.py --steps 300 --runs float32,float16+scaling --out /tmp/fmp
@@ -27,6 +30,7 @@ folder.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -130,28 +134,42 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
     mem = compiled.memory_analysis()
     mem_bytes = None if mem is None else mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
 
-    losses, finites, scales = [], [], []
-    start = None
+    # the flushed-to-zero fraction over training: at `checks` points, the run's gradient (its own precision and
+    # loss scale) against the float32 gradient, both on the whole training set at the run's current params
+    x_all, y_all = jnp.asarray(x_tr), jnp.asarray(y_tr)
+    probe_scaler = fmp.GradScaler(enabled=scaled, dynamic=False)
+    probe = jax.jit(lambda p, s, x, y: fmp.value_and_grad(fn, s)(p, x, y)[1])
+    every = max(1, args.steps // args.checks)
+    flush_curve: list[tuple[int, float]] = []
+
+    def measure_flush(step_no: int) -> tuple[int, int]:
+        _, ref = f32.value_and_grad(params, x_all, y_all)
+        s = dataclasses.replace(probe_scaler, loss_scale=scaler.loss_scale)  # same static fields: no retrace
+        n_flushed, n_nonzero = flushed(probe(params, s, x_all, y_all), ref)
+        flush_curve.append((step_no, n_flushed / max(n_nonzero, 1)))
+        return n_flushed, n_nonzero
+
+    losses, finites, scales, step_times = [], [], [], []
     for i in tqdm(range(args.steps), desc=f"{name:>16}", leave=True, disable=args.quiet):
-        if i == 1:  # time from the second step: the first one includes dispatch warm-up
-            jax.block_until_ready(params)
-            start = time.perf_counter()
         xb, yb = jnp.asarray(x_tr[batches[i]]), jnp.asarray(y_tr[batches[i]])
         scales.append(scaler.loss_scale)
+        t = time.perf_counter()
         params, opt_state, scaler, loss, finite = step(params, opt_state, scaler, xb, yb)
+        jax.block_until_ready(params)
+        step_times.append(time.perf_counter() - t)
         losses.append(loss)
         finites.append(finite)
-    jax.block_until_ready(params)
-    elapsed = time.perf_counter() - start if start is not None else float("nan")
+        if (i + 1) % every == 0 and i + 1 < args.steps:
+            measure_flush(i + 1)
+    # steps/s from the median step (the first one, with dispatch warm-up, left out): on a shared machine a
+    # median is not moved by the other jobs' bursts the way a total time is
+    steps_per_s = 1.0 / float(np.median(step_times[1:]))
 
     logits = f32.logits(params, jnp.asarray(x_te))
     acc = float(np.mean(np.argmax(np.asarray(logits), -1) == y_te))
     # flushed-to-zero count at this run's final params, on the full training set
-    x_all, y_all = jnp.asarray(x_tr), jnp.asarray(y_tr)
-    ref_loss, ref = f32.value_and_grad(params, x_all, y_all)
-    probe = fmp.GradScaler(init_scale=float(scaler.loss_scale), enabled=scaled, dynamic=False)
-    _, got, _, _ = jax.jit(lambda p: fmp.value_and_grad(fn, probe)(p, x_all, y_all))(params)
-    n_flushed, n_nonzero = flushed(got, ref)
+    ref_loss, _ = f32.value_and_grad(params, x_all, y_all)
+    n_flushed, n_nonzero = measure_flush(args.steps)
     finites = np.asarray(jax.device_get(finites))
     return {
         "name": name,
@@ -159,7 +177,7 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
         "acc": acc,
         "loss": np.asarray(jax.device_get(losses), np.float32),
         "train_loss": float(ref_loss),
-        "steps_per_s": (args.steps - 1) / elapsed if elapsed > 0 else float("nan"),
+        "steps_per_s": steps_per_s,
         "mem_bytes": mem_bytes,
         "skipped": int(np.sum(~finites)),
         "skipped_at": np.flatnonzero(~finites),
@@ -167,6 +185,7 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
         "final_scale": float(scaler.loss_scale) if scaled else None,
         "flushed": n_flushed,
         "nonzero": n_nonzero,
+        "flush_curve": np.asarray(flush_curve),
     }
 
 
@@ -195,36 +214,68 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join([fmt(rows[0]), sep, *map(fmt, rows[1:])])
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+COLORS = {"float32": "black", "bfloat16": "tab:blue", "float16+scaling": "tab:green", "float16": "tab:red"}
+
+
+def plot(results: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Four panels: loss (linear), fraction of gradient elements flushed to zero, loss scale, speed and memory."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(12, 8.5))
+    # (a) loss on a linear axis, zoomed on the part of training where the runs could differ (the first steps,
+    # from 2.3 down, are the same for every run and would flatten the rest)
+    tail = []
     for r in results:
         loss = r["loss"]
         k = max(1, len(loss) // 50)
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
-        ax1.plot(np.arange(len(smooth)) + k - 1, smooth, label=f"{r['name']} ({100 * r['acc']:.1f}%)")
-    # symlog: near zero, a low-precision run's loss is rounding noise of either sign
-    ax1.set_yscale("symlog", linthresh=1e-3)
-    ax1.set(xlabel="step", ylabel=f"training loss (mean of {k} steps)", title="Loss curves")
+        steps = np.arange(len(smooth)) + k
+        ax1.plot(steps, smooth, color=COLORS[r["name"]], label=f"{r['name']}: test acc {100 * r['acc']:.1f}%")
+        tail.append(smooth[len(smooth) // 10 :])
+    top = float(np.max(np.concatenate(tail))) * 1.1
+    ax1.set_ylim(0, top)
+    ax1.set(xlabel="step", ylabel=f"training loss (mean of {k} steps)", title="(a) Loss (linear axis)")
     ax1.legend()
+    # (b) the fraction of gradient elements that are non-zero in float32 but exactly zero in the run
+    for r in results:
+        c = r["flush_curve"]
+        ax2.plot(c[:, 0], 100 * c[:, 1], marker=".", color=COLORS[r["name"]], label=r["name"])
+    ax2.set(xlabel="step", ylabel="% of gradient elements flushed to 0",
+            title="(b) Gradient lost to float16 underflow (whole training set)")  # fmt: skip
+    ax2.legend()
+    # (c) the loss scale before each step, and the steps skipped because the scaled gradients overflowed
     scaled = [r for r in results if r["final_scale"] is not None]
     for r in scaled:
-        ax2.step(np.arange(len(r["scales"])), r["scales"], where="post", label=f"{r['name']}: loss scale")
-        if not len(r["skipped_at"]):
-            ax2.plot([], [], " ", label="no skipped steps")
-        else:
-            ax2.scatter(r["skipped_at"], r["scales"][r["skipped_at"]], marker="x", color="red", zorder=3,
+        ax3.step(np.arange(len(r["scales"])), r["scales"], where="post", color=COLORS[r["name"]],
+                 label=f"{r['name']}: loss scale")  # fmt: skip
+        if len(r["skipped_at"]):
+            ax3.scatter(r["skipped_at"], r["scales"][r["skipped_at"]], marker="x", color="red", zorder=3,
                         label=f"skipped step ({r['skipped']})")  # fmt: skip
+        else:
+            ax3.plot([], [], " ", label="no skipped step")
     if not scaled:
-        ax2.text(0.5, 0.5, "no run with loss scaling", ha="center", transform=ax2.transAxes)
-    ax2.set(yscale="log", xlabel="step", ylabel="loss scale (before the step)", title="Dynamic loss scale")
-    ax2.legend()
+        ax3.text(0.5, 0.5, "no run with loss scaling", ha="center", transform=ax3.transAxes)
+    ax3.set(yscale="log", xlabel="step", ylabel="loss scale (before the step)", title="(c) Dynamic loss scale")
+    ax3.legend()
+    # (d) speed and compiled memory of the train step
+    names = [r["name"] for r in results]
+    y = np.arange(len(names))
+    ax4.barh(y, [r["steps_per_s"] for r in results], color=[COLORS[n] for n in names])
+    for i, r in enumerate(results):
+        mem = "n/a" if r["mem_bytes"] is None else f"{r['mem_bytes'] / 2**20:.2f} MiB"
+        ax4.text(r["steps_per_s"], i, f" {r['steps_per_s']:.0f}/s, {mem}", va="center")
+    ax4.set_yticks(y, names)
+    ax4.invert_yaxis()
+    ax4.set_xlim(0, 1.45 * max(r["steps_per_s"] for r in results))
+    ax4.set(xlabel="train steps per second (on a CPU, float16/bfloat16 are emulated)",
+            title="(d) Train step: speed and compiled memory")  # fmt: skip
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -249,6 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=Path("fmp_main_out"), help="output folder for the PNG (default ./fmp_main_out)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the data split, the init and the batches (default 0)")
+    p.add_argument("--checks", type=int, default=20, help="points at which the flushed fraction is measured (default 20)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -298,7 +350,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if not args.no_plot:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "fmp_main.png"
-        plot(results, path)
+        plot(results, path, title=f"digits, MLP {model.width}x{model.depth}, Adam({args.lr:g}), batch {args.batch}, "
+             f"{args.steps} steps; jax {jax.__version__} on {jax.devices()[0].platform}")
         print(f"wrote {path}")
     print(f"total time {time.perf_counter() - t0:.1f} s")
     return results

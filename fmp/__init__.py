@@ -3,6 +3,7 @@
 ``import fmp`` imports JAX only; ``fmp.optax`` and ``fmp.torch`` import optax and torch.
 """
 
+from fmp import _flax_serialization  # noqa: F401 - registers GradScaler with flax.serialization when flax is imported
 from fmp._autocast import autocast as autocast
 from fmp._autocast import autocast_jaxpr as autocast_jaxpr
 from fmp._autocast import explain as explain

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fmp._arrays import check_leaf
 from fmp._scaler import GradScaler, all_finite
 
 
@@ -46,6 +47,9 @@ def _check_loss(loss: Any) -> None:
 def _scaled_grads(
     fun: Callable[..., Any], scaler: GradScaler, argnums: int | Sequence[int], has_aux: bool, args: Any, kwargs: Any
 ) -> tuple[Any, Any, Any, jax.Array, GradScaler]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        check_leaf(leaf, "fmp.value_and_grad: an argument", path)
+
     def scaled(*a: Any, **kw: Any) -> tuple[jax.Array, tuple[Any, Any]]:
         out = fun(*a, **kw)
         if has_aux:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fmp._arrays import check_leaf
 from fmp._core import _scaler_rule
 
 _UNSET: Any = object()  # sentinel: "build the arrays from init_scale"
@@ -71,10 +71,12 @@ def _checked_leaves(tree: Any, where: str) -> list[tuple[Any, jax.Array]]:
     Integer and bool leaves (arrays or Python numbers) cannot, and are left out.
 
     Raises:
-      TypeError: a leaf is neither an array nor a number (a string, an object).
+      TypeError: a leaf is neither an array nor a number (a string, an object), or is another
+        framework's array (a torch tensor).
     """
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        check_leaf(x, where, path)
         if isinstance(x, float | complex):
             x = jnp.asarray(x)
         elif not hasattr(x, "dtype"):
@@ -219,7 +221,9 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
     if ta != tb:
         raise ValueError(f"select_tree: a and b must have the same tree structure, got {ta} and {tb}")
 
-    def pick(x, y):
+    def pick(path, x, y):
+        check_leaf(x, "select_tree(a)", path)
+        check_leaf(y, "select_tree(b)", path)
         x, y = jnp.asarray(x), jnp.asarray(y)
         if x.dtype != y.dtype:
             raise TypeError(f"select_tree: leaves of a and b must have the same dtype, got {x.dtype} and {y.dtype}")
@@ -228,7 +232,7 @@ def select_tree(pred: jax.typing.ArrayLike, a: Any, b: Any) -> Any:
             raise ValueError(f"select_tree: leaves of a and b must have the same shape, got {x.shape} and {y.shape}")
         return jnp.where(pred, x, y)
 
-    return jax.tree.map(pick, a, b)
+    return jax.tree_util.tree_map_with_path(pick, a, b)
 
 
 # one jitted function for every call (a lambda jitted per call would retrace and recompile each time)
@@ -269,7 +273,8 @@ def _check_flag(flag: Any, name: str) -> jax.Array:
     return flag
 
 
-def _scale_leaf(x: Any, s: jax.Array) -> Any:
+def _scale_leaf(path: Any, x: Any, s: jax.Array) -> Any:
+    check_leaf(x, "GradScaler.scale", path)
     if not (hasattr(x, "dtype") or isinstance(x, int | float)):
         raise TypeError(f"GradScaler.scale: tree leaves must be float or integer arrays, got {type(x).__name__}")
     x = jnp.asarray(x)
@@ -409,7 +414,8 @@ class GradScaler:
         stays float64. A disabled scaler returns ``tree`` itself.
 
         Raises:
-          TypeError: a leaf is neither a float nor an integer array.
+          TypeError: a leaf is neither a float nor an integer array, or is another framework's array
+            (a torch tensor: use ``fmp.torch.GradScaler`` there).
 
         Examples:
           >>> fmp.GradScaler(init_scale=2.0**16).scale(jnp.float16(2.0))
@@ -417,7 +423,7 @@ class GradScaler:
         """
         if not self.enabled:
             return tree
-        return jax.tree.map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+        return jax.tree_util.tree_map_with_path(lambda p, x: _scale_leaf(p, x, self.loss_scale), tree)
 
     def unscale(self, grads: Any) -> Any:
         """Multiplies every float leaf by the float32 reciprocal of the scale, computed as torch does.
@@ -427,6 +433,9 @@ class GradScaler:
         opmath); float64 and complex leaves are multiplied in their own dtype. Python floats become
         arrays. Integer and bool leaves pass through. A disabled scaler returns ``grads`` unchanged.
 
+        Raises:
+          TypeError: a leaf is another framework's array (a torch tensor: use ``fmp.torch.GradScaler``).
+
         Examples:
           >>> fmp.GradScaler(init_scale=4.0).unscale({"w": jnp.array([2.0, 8.0])})
           {'w': Array([0.5, 2. ], dtype=float32)}
@@ -435,7 +444,8 @@ class GradScaler:
             return grads
         inv = _reciprocal_f64(self.loss_scale)
 
-        def leaf(g):
+        def leaf(path, g):
+            check_leaf(g, "GradScaler.unscale", path)
             if isinstance(g, float | complex):
                 g = jnp.asarray(g)  # a Python float is a gradient too; canonical dtype (float32 without x64)
             if not hasattr(g, "dtype") or not jnp.issubdtype(g.dtype, jnp.inexact):
@@ -449,7 +459,7 @@ class GradScaler:
                 return g * inv.astype(g.dtype)
             return (g.astype(jnp.float32) * inv).astype(g.dtype)
 
-        return jax.tree.map(leaf, grads)
+        return jax.tree_util.tree_map_with_path(leaf, grads)
 
     def update(
         self, finite: jax.typing.ArrayLike | None = None, new_scale: jax.typing.ArrayLike | None = None
@@ -614,35 +624,14 @@ class GradScaler:
 
     @staticmethod
     def register_flax_serialization() -> None:
-        """Registers GradScaler with ``flax.serialization`` (imports flax).
+        """Registers GradScaler with ``flax.serialization`` now (imports flax).
 
-        Done automatically when ``fmp`` is imported after flax; call it if you import flax later
-        and serialize a state holding a scaler with ``flax.serialization.to_bytes``.
+        Not needed: ``import fmp`` arranges for the registration to happen whenever flax is imported,
+        before or after fmp, so ``flax.serialization.to_state_dict(scaler)`` and ``to_bytes`` work as they
+        are. Kept for code that calls it; calling it again is harmless.
         """
         from flax import serialization
 
-        serialization.register_serialization_state(
-            GradScaler, _flax_to_state_dict, _flax_from_state_dict, override=True
-        )
+        from fmp import _flax_serialization
 
-
-def _flax_to_state_dict(s: GradScaler) -> dict[str, Any]:
-    return {
-        "loss_scale": s.loss_scale,
-        "growth_tracker": s.growth_tracker,
-        "consecutive_overflows": s.consecutive_overflows,
-    }
-
-
-def _flax_from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScaler:
-    return dataclasses.replace(
-        target,
-        loss_scale=jnp.asarray(state["loss_scale"], jnp.float32),
-        growth_tracker=jnp.asarray(state["growth_tracker"], jnp.int32),
-        # absent from checkpoints written before the field existed
-        consecutive_overflows=jnp.asarray(state.get("consecutive_overflows", 0), jnp.int32),
-    )
-
-
-if "flax.serialization" in sys.modules:  # pragma: no cover - depends on import order
-    GradScaler.register_flax_serialization()
+        _flax_serialization.register(serialization)

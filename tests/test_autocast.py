@@ -167,12 +167,14 @@ def test_float64_integer_and_bool_untouched():
 
         n = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
         b = n > 3
-        out = fmp.autocast(f)(x64, n, b)
+        with pytest.warns(UserWarning, match="changes nothing in this function"):  # tests/test_misuse.py
+            out = fmp.autocast(f)(x64, n, b)
         ref = f(x64, n, b)
         for o, r in zip(out, ref, strict=True):
             assert o.dtype == r.dtype
             np.testing.assert_array_equal(o, r)
-        cj = rewritten(f, x64, n, b)
+        with pytest.warns(UserWarning, match="changes nothing in this function"):
+            cj = rewritten(f, x64, n, b)
         assert count(cj, "convert_element_type") == count(jax.make_jaxpr(f)(x64, n, b), "convert_element_type")
 
 

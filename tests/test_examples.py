@@ -211,21 +211,30 @@ def test_main_default_run(tmp_path):
     assert (tmp_path / "fmp_main.png").stat().st_size > 10_000
 
 
-def test_examples_extra_covers_the_main_job():
-    """``pip install -e ".[examples]" && python examples/main.py`` needs nothing else (and no torch)."""
+def _third_party_imports(path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return {m for m in imported if m not in sys.stdlib_module_names and m not in {"fmp", "__future__"}}
+
+
+def test_examples_extra_covers_every_example():
+    """``pip install -e ".[examples]"`` (torch installed first) is enough for every example; main.py needs no torch."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = project["dependencies"] + project["optional-dependencies"]["examples"]
     dists = {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in reqs}
     dist_of = {"sklearn": "scikit-learn"}  # import name -> distribution name where they differ
-    tree = ast.parse((ROOT / "examples" / "main.py").read_text())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    third_party = {m for m in imported if m not in sys.stdlib_module_names and m not in {"fmp", "__future__"}}
-    assert "torch" not in third_party
-    missing = sorted(m for m in third_party if dist_of.get(m, m) not in dists)
-    assert not missing, f"examples/main.py imports {missing}, not in the 'examples' extra or the dependencies"
+    examples = sorted((ROOT / "examples").glob("*.py"))
+    assert len(examples) >= 10
+    for path in examples:
+        missing = sorted(m for m in _third_party_imports(path) if dist_of.get(m, m) not in dists)
+        assert not missing, f"examples/{path.name} imports {missing}, not in the 'examples' extra or the dependencies"
+    # the README's first command runs main.py, which must not need torch (installed separately)
+    assert "torch" not in _third_party_imports(ROOT / "examples" / "main.py")
+    # the extra's comment says how to install torch first
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in (ROOT / "pyproject.toml").read_text()
 
 
 def test_accumulation():

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
 
 import fmp
 from tests.helpers import ROOT, run_python, run_with_devices
@@ -67,3 +70,56 @@ def test_eight_fake_devices_helper():
         """
     )
     assert out.split() == ["8", "bfloat16", "8"]
+
+
+_HIDE = "import sys; sys.modules[{dep!r}] = None  # as if {dep} were not installed\n"
+
+
+@pytest.mark.parametrize(("module", "dep", "how"), [
+    ("fmp.torch", "torch", "install torch first with its own command (CPU build: pip install torch --index-url "
+                           "https://download.pytorch.org/whl/cpu ; for a CUDA build see "
+                           "https://pytorch.org/get-started/locally/), then pip install 'fmp[torch]'."),
+    ("fmp.optax", "optax", "pip install 'fmp[optax]' (or pip install optax)."),
+])  # fmt: skip
+def test_missing_optional_dependency_says_how_to_install_it(module, dep, how):
+    out = run_python(
+        _HIDE.format(dep=dep)
+        + f"""
+try:
+    import {module}
+except ModuleNotFoundError as e:
+    print(type(e).__name__, e.name)
+    print(e)
+"""
+    )
+    kind, msg = out.strip().split("\n", 1)
+    assert kind == f"ModuleNotFoundError {dep}"
+    assert msg == f"{module} needs {dep}, which is not installed: {how}"
+
+
+def test_import_fmp_works_without_torch_optax_flax():
+    out = run_python(
+        "import sys\n"
+        + "".join(_HIDE.format(dep=d) for d in ("torch", "optax", "flax"))
+        + "import jax.numpy as jnp, fmp\nprint(fmp.GradScaler(init_scale=4.0).scale(jnp.float32(2.0)))\n"
+    )
+    assert out.strip() == "8.0"
+
+
+def test_pyproject_claims_only_what_is_tested():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    import jax
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = {r.name: r for r in map(Requirement, project["dependencies"])}
+    # the JAX range is the minor version tested here, and it holds the installed one
+    for name in ("jax", "jaxlib"):
+        assert reqs[name].specifier.contains(jax.__version__), (name, jax.__version__)
+        assert not reqs[name].specifier.contains("0.11.0"), f"{name}: 0.11 is untested"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    versions = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")]
+    assert py in versions, (versions, py)
+    text = (ROOT / "pyproject.toml").read_text()
+    assert "CUDA)" not in text and "0.11.x" not in text
+    assert "Typing :: Typed" in project["classifiers"] and (ROOT / "fmp" / "py.typed").exists()

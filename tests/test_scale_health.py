@@ -284,7 +284,6 @@ def test_consecutive_overflows_is_not_in_the_torch_state_dict_but_survives_flax(
         ["scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"]
     )
     assert int(fmp.GradScaler.from_state_dict(s.state_dict()).consecutive_overflows) == 0
-    fmp.GradScaler.register_flax_serialization()
     back = serialization.from_bytes(fmp.GradScaler(), serialization.to_bytes(s))
     assert int(back.consecutive_overflows) == 2 and float(back.loss_scale) == 2.0
     # a checkpoint written before the field existed loads with a count of 0

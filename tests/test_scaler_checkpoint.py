@@ -90,7 +90,6 @@ def test_flax_serialization_round_trip():
     optax = pytest.importorskip("optax")
     import fmp.optax
 
-    fmp.GradScaler.register_flax_serialization()
     s = _fmp_steps(fmp.GradScaler(**HP), FLAGS[:7])
     restored = serialization.from_bytes(fmp.GradScaler(**HP), serialization.to_bytes(s))
     assert restored.state_dict() == s.state_dict() and restored.growth_interval == 2
@@ -113,6 +112,38 @@ def test_flax_registration_happens_on_import_when_flax_came_first():
         """
     )
     assert out.strip() == "4.0"
+
+
+def test_flax_and_orbax_need_no_registration_call_when_fmp_comes_first(tmp_path):
+    # a fresh process: fmp is imported before flax (the order a user's script usually has), and nobody calls
+    # GradScaler.register_flax_serialization()
+    out = run_python(
+        f"""
+        import sys
+        import jax, jax.numpy as jnp
+        import fmp
+        assert "flax" not in sys.modules
+        import flax.serialization as ser
+        import orbax.checkpoint as ocp
+        s = fmp.GradScaler(init_scale=8.0).update(jnp.array(False)).update(jnp.array(False))
+        d = ser.to_state_dict({{"scaler": s, "step": jnp.int32(3)}})
+        print(sorted(d["scaler"]), type(d["scaler"]).__name__)
+        back = ser.from_bytes({{"scaler": fmp.GradScaler(), "step": jnp.int32(0)}}, ser.to_bytes({{"scaler": s, "step": 3}}))
+        print(float(back["scaler"].loss_scale), int(back["scaler"].consecutive_overflows), int(back["step"]))
+        state = {{"params": {{"w": jnp.arange(3.0)}}, "scaler": s}}
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save({str(tmp_path / "ckpt")!r}, state)
+            ckpt.wait_until_finished()
+            got = ckpt.restore({str(tmp_path / "ckpt")!r}, jax.eval_shape(lambda: state))
+        print(type(got["scaler"]).__name__, float(got["scaler"].loss_scale), int(got["scaler"].consecutive_overflows),
+              got["params"]["w"].tolist())
+        """
+    )
+    assert out.split("\n")[:3] == [
+        "['consecutive_overflows', 'growth_tracker', 'loss_scale'] dict",
+        "2.0 2 3",
+        "GradScaler 2.0 2 [0.0, 1.0, 2.0]",
+    ]
 
 
 def test_orbax_round_trip(tmp_path):

@@ -9,6 +9,7 @@ from typing import Any
 from jax.extend.core import JaxprEqn
 
 from fmp._autocast import _wrap
+from fmp._autocast._checks import check_args
 from fmp._autocast._transform import Context, check_overrides, check_rules, rewrite_top
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet
@@ -72,6 +73,7 @@ def explain(
     over = check_overrides(overrides)
 
     def run(*args: Any, **kwargs: Any) -> Report:
+        check_args(args, kwargs, api="fmp.explain")
         closed, _, _ = _wrap.trace(fn, args, kwargs)
         ctx = Context(pol, ruleset, over, records=[])
         rewrite_top(closed, ctx)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
+from fmp._autocast._checks import check_args, warn_no_effect
 from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
 from fmp._core._rules import RuleSet
 from fmp._policy import Policy, get_policy
@@ -83,8 +84,13 @@ def autocast(
     Returns:
       A function with ``fn``'s signature.
 
+    Warns:
+      UserWarning: the policy changes nothing in ``fn`` (it computes no float16, bfloat16 or float32
+        value: a float64 model, an integer-only function), or an ``overrides`` key matches no scope.
+
     Raises:
-      TypeError: ``fn`` is not callable, or ``rules``/``overrides`` have the wrong type.
+      TypeError: ``fn`` is not callable, or ``rules``/``overrides`` have the wrong type; an argument
+        is another framework's array (a torch tensor), which autocast cannot see.
       ValueError: an unknown policy spec; a banned op under a float16 policy.
 
     Examples:
@@ -109,13 +115,16 @@ def autocast(
     pol = get_policy(policy)
     ruleset = check_rules(rules)
     over = check_overrides(overrides)
+    label = policy if isinstance(policy, str) else str(pol)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if not enabled:
             with jax.named_scope(REGION_SCOPE):
                 return fn(*args, **kwargs)
+        check_args(args, kwargs)
         closed, arrays, out_tree = trace(fn, args, kwargs)
+        warn_no_effect(closed, pol, over, label)
         with jax.named_scope(REGION_SCOPE):
             outs = run_top(closed, arrays, Context(pol, ruleset, over))
         return jax.tree_util.tree_unflatten(out_tree, outs)

@@ -1,7 +1,12 @@
+# ruff: noqa: E402  (the dependency check runs before the imports that need it)
 """optax glue for fmp: loss scaling, non-finite step skipping and accumulation as optax transformations.
 
 Importing this module imports optax.
 """
+
+from fmp._core._optional import require
+
+require("optax", "fmp.optax")  # a missing optax raises an error that says how to install it
 
 from fmp.optax._accumulate import AccumulateState as AccumulateState
 from fmp.optax._accumulate import accumulate as accumulate

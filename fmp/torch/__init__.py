@@ -1,7 +1,12 @@
+# ruff: noqa: E402  (the dependency check runs before the imports that need it)
 """The torch facade: ``import fmp.torch as amp`` in place of ``torch.amp`` / ``torch.cuda.amp``.
 
 Importing this module imports torch; ``import fmp`` never does.
 """
+
+from fmp._core._optional import require
+
+require("torch", "fmp.torch")  # a missing torch raises an error that says how to install it
 
 from fmp.torch import cuda as cuda
 from fmp.torch._autocast import autocast as autocast

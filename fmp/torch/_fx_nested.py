@@ -1,15 +1,15 @@
 """Graphs inside a node: decompositions of composite ops, higher-order ops, one-op autocast regions.
 
 Eager autocast sees inside an unlisted ``CompositeImplicitAutograd`` op (its
-decomposition dispatches through the Autocast key again), so :func:`decompose`
+decomposition dispatches through the Autocast key again), so ``decompose``
 inlines such an op's decomposition when a rewrite of it changes anything
-(``einsum``, ``tensordot`` on CPU). :func:`hop` handles the higher-order ops a
+(``einsum``, ``tensordot`` on CPU). ``hop`` handles the higher-order ops a
 traced program may hold: ``wrap_with_autocast`` regions switch the per-device
 autocast state for the ops inside them, ``wrap_with_set_grad_enabled`` bodies
-are rewritten into a submodule of their own. :func:`in_region` keeps an op whose
+are rewritten into a submodule of their own. ``in_region`` keeps an op whose
 kernel eager autocast reaches into (``RuleSet.torch_cpu_autocast_inside``) inside a
 one-op autocast region. They take the running
-:class:`~fmp.torch._fx_rewrite.Rewriter` and build nested ones with
+``Rewriter`` and build nested ones with
 ``type(rw)(...)``, so this module does not import the rewriter.
 """
 
@@ -32,8 +32,8 @@ _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 def decompose(rw: Any, node: torch.fx.Node, op: torch._ops.OpOverload, args: tuple, kwargs: dict, depth: int) -> Any:
     """Inlines ``op``'s decomposition, rewritten, when autocast changes something inside it; else None.
 
-    Returns :data:`UNTRACEABLE` when fake tensors cannot trace the decomposition: the
-    caller then keeps the op in a one-op autocast region (:func:`in_region`), where
+    Returns ``UNTRACEABLE`` when fake tensors cannot trace the decomposition: the
+    caller then keeps the op in a one-op autocast region (``in_region``), where
     its decomposition meets autocast at run time as in eager.
     """
     flat, spec = pytree.tree_flatten((args, kwargs))

@@ -1,6 +1,6 @@
 """The new graph under construction and its values, as fake tensors of one fake mode.
 
-:class:`GraphBuilder` is the part of the FX rewrite that knows nothing of autocast:
+``GraphBuilder`` is the part of the FX rewrite that knows nothing of autocast:
 it emits nodes, computes their values with fake tensors (no compute) and names
 the attributes of the new root module. ``_fx_rewrite.Rewriter`` builds on it.
 """

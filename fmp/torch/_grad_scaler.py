@@ -42,6 +42,7 @@ from fmp.torch._found_inf import PerDevice, all_reduce_flag, coalesce_in_place, 
 from fmp.torch._scaler_messages import (
     MSG_BACKOFF,
     MSG_CLOSURE,
+    MSG_FOREIGN_OUTPUTS,
     MSG_GRAD_SCALER_KWARG,
     MSG_GROWTH,
     MSG_NEW_SCALE,
@@ -221,7 +222,8 @@ class GradScaler(ScalerSettings):
         as a lazy ``map`` (torch's behaviour). Disabled: returns ``outputs``.
 
         Raises:
-          ValueError: a leaf is neither a tensor nor an iterable.
+          ValueError: a leaf is neither a tensor nor an iterable, or is another framework's array (a JAX or
+            NumPy array, which torch would iterate into a lazy ``map`` that scales nothing).
         """
         if not self._enabled:
             return outputs
@@ -241,6 +243,9 @@ class GradScaler(ScalerSettings):
                         self._lazy_init_scale_growth_tracker(value.device)
                     copies.append(PerDevice(self._check_scale_growth_tracker("scale")[0]))
                 return self._scaled(value, copies[0].get(value.device))
+            if hasattr(value, "dtype") or hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
+                kind = f"{type(value).__module__}.{type(value).__qualname__}"
+                raise ValueError(MSG_FOREIGN_OUTPUTS.format(kind=kind))
             if isinstance(value, abc.Iterable):
                 mapped = map(apply, value)
                 return type(value)(mapped) if isinstance(value, list | tuple) else mapped

@@ -10,6 +10,12 @@ MSG_SCALE_NONE = (
     "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
 )
 MSG_OUTPUTS = "outputs must be a Tensor or an iterable of Tensors"
+# fmp's own: torch would iterate such an array and hand back a lazy map that fails (or scales nothing) later
+MSG_FOREIGN_OUTPUTS = (
+    "outputs must be a Tensor or an iterable of Tensors, got a {kind}: fmp.torch.GradScaler scales torch "
+    "tensors (torch.amp's API). For JAX use fmp.GradScaler (scaler.scale(loss), fmp.value_and_grad); otherwise "
+    "convert with torch.as_tensor(x)."
+)
 MSG_UNSCALE_TWICE = "unscale_() has already been called on this optimizer since the last update()."
 MSG_UNSCALE_AFTER_STEP = "unscale_() is being called after step()."
 MSG_FP16 = "Attempting to unscale FP16 gradients."

@@ -44,7 +44,6 @@ def _jax_run(path, step, schedule, data, start=0, state=None, stop=None):
 
 def _flax_round_trip(state, target):
     serialization = pytest.importorskip("flax.serialization")
-    fmp.GradScaler.register_flax_serialization()
     return serialization.from_bytes(target, serialization.to_bytes(state))
 
 
