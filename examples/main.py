@@ -207,8 +207,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         k = max(1, len(loss) // 50)
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
         ax1.plot(np.arange(len(smooth)) + k - 1, smooth, label=f"{r['name']} ({100 * r['acc']:.1f}%)")
-    # symlog: near zero, a low-precision run's loss is rounding noise of either sign
-    ax1.set_yscale("symlog", linthresh=1e-3)
+    # log: a cross-entropy is positive in every run, so the late, small losses stay visible
+    ax1.set_yscale("log")
     ax1.set(xlabel="step", ylabel=f"training loss (mean of {k} steps)", title="Loss curves")
     ax1.legend()
     scaled = [r for r in results if r["final_scale"] is not None]
@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"float16 without scaling: {r['flushed']} of {r['nonzero']} gradient elements that are non-zero in "
             f"float32 flush to zero at its final params; test accuracy {100 * r['acc']:.2f}%"
         )
+    # a cross-entropy is never negative: a negative logged loss would mean a value seen at two roundings
+    print("lowest logged loss: " + ", ".join(f"{r['name']} {float(np.min(r['loss'])):.3e}" for r in results))
     if not args.no_plot:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "fmp_main.png"

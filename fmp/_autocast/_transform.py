@@ -178,6 +178,14 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
         out_after=(dtype.name,),
     )
     out = jax.lax.convert_element_type(x, dtype)
+    src = dtype_name(aval.dtype)
+    if src in _dtypes.LOW_PRECISION and _dtypes.widest([src, dtype.name]) == dtype.name:
+        # One rounding for every consumer: XLA may drop a convert pair f32 -> bf16 -> f32 inside a fusion
+        # (excess precision), so this consumer would see the producer's unrounded value while another
+        # consumer of the same bf16 value sees it rounded. reduce_precision is never dropped and rounds
+        # exactly as the convert did, so jit and eager agree (a no-op where the pair is kept).
+        info = _dtypes.FORMAT_BITS[src]
+        out = jax.lax.reduce_precision(out, exponent_bits=info[0], mantissa_bits=info[1])
     if memo is not None:
         memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
     return out
@@ -384,13 +392,32 @@ def _root(var: Any, producers: Mapping[Any, JaxprEqn]) -> tuple[Any, JaxprEqn | 
     return var, None
 
 
+def _depends(var: Any, on: Any, producers: Mapping[Any, JaxprEqn]) -> bool:
+    """Whether ``var`` is computed (in this jaxpr) from ``on``."""
+    stack, seen = [var], set()
+    while stack:
+        v = stack.pop()
+        if v is on:
+            return True
+        if isinstance(v, Literal) or v in seen:
+            continue
+        seen.add(v)
+        made = producers.get(v)
+        if made is not None:
+            stack.extend(made.invars)
+    return False
+
+
 def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> bool:
     """The epilogue rule: ``lp_result + bias`` (either order) runs in the compute dtype.
 
     True when the equation has two floating inputs, one of them is in the compute
     dtype now and comes (through pass-through ops, in this jaxpr) from a
     ``lower_precision`` equation, and the other comes from a value with fewer
-    elements than the result (a bias broadcast over the batch).
+    elements than the result (a bias broadcast over the batch) that is not
+    computed from that result: a statistic of the result (a mean, a variance,
+    a maximum) is no bias, so normalisation and max-subtraction take the
+    normal promotion.
     """
     if len(eqn.invars) != 2 or not all(hasattr(a, "dtype") and _is_castable(a.dtype) for a in cur):
         return False
@@ -403,7 +430,7 @@ def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) 
         if made is None or ctx.rules.category(made.primitive.name) is not Category.LOWER_PRECISION:
             continue
         other, _ = _root(eqn.invars[1 - i], producers)
-        if int(np.prod(other.aval.shape, dtype=np.int64)) < size:
+        if int(np.prod(other.aval.shape, dtype=np.int64)) < size and not _depends(other, made.outvars[0], producers):
             return True
     return False
 
@@ -460,7 +487,7 @@ def autocast_jaxpr(
       >>> cj = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(jnp.ones((2, 3)), jnp.ones((3, 4)))
       >>> new = fmp.autocast_jaxpr(cj, "mixed_bfloat16")
       >>> [e.primitive.name for e in new.eqns]
-      ['convert_element_type', 'convert_element_type', 'dot_general', 'tanh', 'convert_element_type']
+      ['convert_element_type', 'convert_element_type', 'dot_general', 'tanh', 'convert_element_type', 'reduce_precision']
       >>> new.out_avals[0].dtype
       dtype('float32')
     """
