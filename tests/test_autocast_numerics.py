@@ -73,3 +73,51 @@ def test_up_cast_rounds_once_in_the_rewritten_program():
         nxt = eqns[i + 1]
         assert nxt.primitive.name == "reduce_precision" and nxt.invars[0] is eqns[i].outvars[0]
         assert (nxt.params["exponent_bits"], nxt.params["mantissa_bits"]) == (8, 7)
+
+
+def _stats(h):
+    return [jnp.sum(h, 0), jnp.mean(h, 0), jnp.var(h, 0), jnp.std(h, 0), jax.nn.standardize(h, 0)]
+
+
+def test_statistics_of_compute_dtype_values_stay_float32():
+    # jnp accumulates a bfloat16 array's sum/mean/var in float32 and rounds the result back to bfloat16; under
+    # autocast that rounding is dropped (torch returns float32 from its float32-list reductions)
+    h = jax.random.normal(jax.random.key(0), (64, 8)).astype(jnp.bfloat16)
+    exact = _stats(h.astype(jnp.float32))
+
+    def f(h):
+        return [s.astype(jnp.float32) for s in _stats(h)]
+
+    plain = f(h)
+    for out in (fmp.autocast(f)(h), jax.jit(fmp.autocast(f))(h)):
+        for got, ref, rounded in zip(out, exact, plain, strict=True):
+            np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+            assert float(jnp.max(jnp.abs(rounded - ref))) > 1e-4  # the plain program does round them
+    rep = fmp.explain(f)(h)
+    assert rep.filter(category="statistic").records
+    assert all(r.out_after == ("float32",) for r in rep.filter(category="statistic").records)
+
+
+def test_a_users_explicit_cast_of_a_statistic_is_kept():
+    h = jax.random.normal(jax.random.key(0), (64, 8)).astype(jnp.bfloat16)
+
+    def f(h):
+        return jnp.sum(h.astype(jnp.float32), 0).astype(jnp.bfloat16).astype(jnp.float32)
+
+    ref = f(h)  # rounded to bfloat16 by the user's astype
+    np.testing.assert_array_equal(fmp.autocast(f)(h), ref)
+    np.testing.assert_array_equal(jax.jit(fmp.autocast(f))(h), ref)
+    assert not fmp.explain(f)(h).filter(category="statistic").records
+
+
+def test_jit_equals_eager_through_program_casts():
+    # a compute-dtype value read through a cast the program wrote (jnp.sum's own cast up) sees one rounding too
+    x = jax.random.normal(jax.random.key(0), (64, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8))
+
+    def f(x, w):
+        h = (x @ w).astype(jnp.bfloat16)
+        return [s.astype(jnp.float32) for s in _stats(h)] + [h.astype(jnp.float32) * 3.0]
+
+    f = fmp.autocast(f)
+    _leaves_close(f(x, w), jax.jit(f)(x, w), rtol=1e-6)

@@ -154,6 +154,24 @@ def _float_names(avals: Sequence[Any]) -> tuple[str, ...]:
     return tuple(n for n in _names(avals) if n.startswith(("float", "bfloat")))
 
 
+def round_once(up: Any, src: Any) -> Any:
+    """``up`` (a value cast up from ``src``) with ``src``'s rounding made explicit.
+
+    One rounding for every consumer: inside a fusion XLA may drop a convert pair
+    float32 -> bfloat16 -> float32 (excess precision), so a consumer reading the
+    value through a cast up would see the producer's unrounded float32 result
+    while another consumer of the same bfloat16 value sees it rounded (a
+    cross-entropy then goes negative under ``jit``). ``reduce_precision`` is never
+    dropped and rounds as the convert does, so ``jit`` equals eager; where XLA
+    keeps the pair it changes nothing.
+    """
+    src, dst = dtype_name(src), dtype_name(aval_of(up).dtype)
+    if src not in _dtypes.LOW_PRECISION or dst not in _dtypes.CASTABLE or _dtypes.widest([src, dst]) != dst:
+        return up
+    exponent, mantissa = _dtypes.FORMAT_BITS[src]
+    return jax.lax.reduce_precision(up, exponent_bits=exponent, mantissa_bits=mantissa)
+
+
 def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: str = "") -> Any:
     """Casts ``x`` to ``dtype`` when it differs, recording the cast (for ``eqn``) for explain."""
     aval = aval_of(x)
@@ -177,15 +195,7 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
         out_before=(),
         out_after=(dtype.name,),
     )
-    out = jax.lax.convert_element_type(x, dtype)
-    src = dtype_name(aval.dtype)
-    if src in _dtypes.LOW_PRECISION and _dtypes.widest([src, dtype.name]) == dtype.name:
-        # One rounding for every consumer: XLA may drop a convert pair f32 -> bf16 -> f32 inside a fusion
-        # (excess precision), so this consumer would see the producer's unrounded value while another
-        # consumer of the same bf16 value sees it rounded. reduce_precision is never dropped and rounds
-        # exactly as the convert did, so jit and eager agree (a no-op where the pair is kept).
-        info = _dtypes.FORMAT_BITS[src]
-        out = jax.lax.reduce_precision(out, exponent_bits=info[0], mantissa_bits=info[1])
+    out = round_once(jax.lax.convert_element_type(x, dtype), aval.dtype)
     if memo is not None:
         memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
     return out
@@ -328,16 +338,36 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     return _leaf(eqn, invals, ctx, scope, policy)
 
 
+# Where jnp's reductions and statistics live: a cast written there is the library's, not the user's.
+_STATISTICS_FILE = "jax/_src/numpy/reductions.py"
+
+
+def _is_statistic_rounding(eqn: JaxprEqn, dtype: Any) -> bool:
+    """A float32 -> low-precision cast that a jnp reduction wrote (``jnp.sum``/``mean``/``var``/``std``...
+    of a low-precision array accumulate in float32 and round the result back): it is dropped, so the
+    statistic stays float32, as torch's autocast returns float32 from its float32-list reductions."""
+    if dtype_name(dtype) != "float32" or dtype_name(eqn.params["new_dtype"]) not in _dtypes.LOW_PRECISION:
+        return False
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return False
+    return any(f.file_name.replace("\\", "/").endswith(_STATISTICS_FILE) for f in tb.frames)
+
+
 def _user_cast(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    """An explicit cast in the program is respected: its output dtype is kept."""
+    """An explicit cast in the program is respected: its output dtype is kept (except a jnp reduction's own
+    rounding of a float32 statistic back to a low-precision dtype, see ``_is_statistic_rounding``)."""
     (x,) = invals
     aval = aval_of(x)
     new_dtype = eqn.params["new_dtype"]
+    rule = "user_cast"
     if aval.dtype == new_dtype and aval.weak_type == eqn.params.get("weak_type", False):
         outs = [x]
+    elif _is_statistic_rounding(eqn, aval.dtype):
+        outs, rule = [x], "statistic"
     else:
-        outs = bind(eqn, invals, eqn.params)
-    _record_eqn(eqn, ctx, scope, "user_cast", invals, outs)
+        outs = [round_once(o, aval.dtype) for o in bind(eqn, invals, eqn.params)]
+    _record_eqn(eqn, ctx, scope, rule, invals, outs)
     return outs
 
 
