@@ -397,17 +397,17 @@ def test_loop_carry_falls_back_to_original_dtypes_if_no_fixed_point(monkeypatch)
 
 
 def test_each_loop_body_and_cond_branch_is_rewritten_once(monkeypatch):
-    from fmp._autocast import _transform
+    from fmp._autocast import _interp
 
     seen = []
-    inner = _transform._transform_closed
+    inner = _interp._transform_closed
 
     def counting(closed, *args, **kwargs):
         seen.append(closed)
         return inner(closed, *args, **kwargs)
 
-    monkeypatch.setattr(_transform, "_transform_closed", counting)
-    monkeypatch.setattr(_transform, "_CACHE", type(_transform._CACHE)())
+    monkeypatch.setattr(_interp, "_transform_closed", counting)
+    monkeypatch.setattr(_interp, "_CACHE", type(_interp._CACHE)())
 
     def narrowing(x, w):  # a float32 carry the body returns in bfloat16 (a matmul's result)
         return jax.lax.scan(lambda h, xt: (jnp.tanh(h @ w), None), x[0], x)[0]

@@ -17,7 +17,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._transform import (
+from fmp._autocast._interp import (
     Context,
     Handler,
     _is_castable,

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
-from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
+from fmp._autocast._interp import REGION_SCOPE
+from fmp._autocast._transform import configure, make_context, run_top
 from fmp._core._rules import RuleSet
-from fmp._policy import Policy, get_policy
+from fmp._policy import Policy
 
 
 def _is_dynamic(leaf: Any) -> bool:
@@ -106,9 +107,7 @@ def autocast(
         )
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled=...) expects a bool, got {type(enabled).__name__}")
-    pol = get_policy(policy)
-    ruleset = check_rules(rules)
-    over = check_overrides(overrides)
+    config = configure(policy, rules, overrides)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -117,7 +116,7 @@ def autocast(
                 return fn(*args, **kwargs)
         closed, arrays, out_tree = trace(fn, args, kwargs)
         with jax.named_scope(REGION_SCOPE):
-            outs = run_top(closed, arrays, Context(pol, ruleset, over))
+            outs = run_top(closed, arrays, make_context(config))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
