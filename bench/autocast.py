@@ -168,7 +168,7 @@ def trace_ratios(rounds: int) -> dict[str, float]:
     xe = jax.random.normal(jax.random.key(2), (8, 64, 128))
     enc_params = init(jax.random.key(3), xe)
     cases = {
-        "transformer": (lambda: fmp.autocast(loss), lambda: (lambda p, x: loss(p, x, hand=True)), params, x),
+        "transformer": (lambda: fmp.autocast(loss), lambda: lambda p, x: loss(p, x, hand=True), params, x),
         "linen encoder": (lambda: fmp.autocast(enc_loss), lambda: enc_hand, enc_params, xe),
     }
     out = {}

@@ -154,7 +154,9 @@ class _BNNet(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3), use_bias=False, dtype=self.dtype)(x))
-        x = nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3), use_bias=False, dtype=self.dtype)(jax.nn.relu(x)))
+        x = nn.BatchNorm(use_running_average=False)(
+            nn.Conv(8, (3, 3), use_bias=False, dtype=self.dtype)(jax.nn.relu(x))
+        )
         return jnp.mean(jnp.tanh(x) * jnp.cos(jnp.arange(x.size).reshape(x.shape)))
 
 

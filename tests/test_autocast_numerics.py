@@ -66,8 +66,13 @@ def test_up_cast_rounds_once_in_the_rewritten_program():
     # every cast fmp inserts from the compute dtype up to float32 carries the rounding explicitly
     cj = fmp.autocast_jaxpr(jax.make_jaxpr(_ce)(jnp.ones((4, 3)), jnp.ones(3), jnp.ones((2, 4)), jnp.zeros(2, int)))
     eqns = cj.jaxpr.eqns
-    ups = [i for i, e in enumerate(eqns) if e.primitive.name == "convert_element_type" and
-           e.invars[0].aval.dtype == jnp.bfloat16 and e.outvars[0].aval.dtype == jnp.float32]
+    ups = [
+        i
+        for i, e in enumerate(eqns)
+        if e.primitive.name == "convert_element_type"
+        and e.invars[0].aval.dtype == jnp.bfloat16
+        and e.outvars[0].aval.dtype == jnp.float32
+    ]
     assert ups
     for i in ups:
         nxt = eqns[i + 1]
