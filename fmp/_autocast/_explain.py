@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fmp._autocast import _wrap
-from fmp._autocast._interp import flops
+from fmp._autocast._rows import flops
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_params
 
-from fmp._autocast import _jax_internals
+from fmp._autocast import _jax_internals, _rows
 from fmp._core import _dtypes
 from fmp._core._report import OpRecord
 from fmp._core._rules import RuleSet
@@ -119,13 +118,6 @@ def _join(prefix: str, own: str) -> str:
     return f"{prefix}/{own}" if prefix and own else (prefix or own)
 
 
-def _source(eqn: JaxprEqn) -> str:
-    try:
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:  # noqa: BLE001 - a report line must never break the rewrite
-        return ""
-
-
 def _names(avals: Sequence[Any]) -> tuple[str, ...]:
     return tuple(dtype_name(a.dtype) for a in avals if hasattr(a, "dtype"))
 
@@ -167,7 +159,7 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
             return hit[1]
     ctx.record(
         op="convert_element_type",
-        source=_source(eqn) if eqn is not None else "",
+        source=_rows.source(eqn) if eqn is not None else "",
         scope=scope,
         category="cast",
         in_before=(),
@@ -282,14 +274,14 @@ def record_eqn(eqn: JaxprEqn, ctx: Context, scope: str, category: str, invals: S
         return
     ctx.record(
         op=eqn.primitive.name,
-        source=_source(eqn),
+        source=_rows.source(eqn),
         scope=scope,
         category=category,
         in_before=_float_names([v.aval for v in eqn.invars]),
         in_after=_float_names([aval_of(x) for x in invals]),
         out_before=_float_names([v.aval for v in eqn.outvars]),
         out_after=_float_names([aval_of(x) for x in outs]),
-        flops=flops(eqn),
+        flops=_rows.flops(eqn),
     )
 
 
@@ -313,25 +305,6 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     if ctx.leaf is None:
         raise TypeError("fmp.autocast: a Context needs its rules; build it with _transform.make_context")
     return ctx.leaf(eqn, invals, ctx, scope, policy)
-
-
-def flops(eqn: JaxprEqn) -> float:
-    """Estimated floating-point operations of a matmul or convolution (0 for other ops)."""
-    name = eqn.primitive.name
-    if name not in ("dot_general", "conv_general_dilated"):
-        return 0.0
-    out = eqn.outvars[0].aval
-    if name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        k = math.prod(lhs.shape[d] for d in lhs_contract)
-        return 2.0 * math.prod(out.shape) * k
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval
-        out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
-        per_output = math.prod(rhs.shape) / rhs.shape[out_feature_dim]
-        return 2.0 * math.prod(out.shape) * per_output
-    return 0.0
 
 
 Handler = Callable[[JaxprEqn, list[Any], Context, str], list[Any]]
