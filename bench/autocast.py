@@ -126,6 +126,64 @@ def variants() -> dict[str, Callable]:
     }
 
 
+def linen_encoder(hand: bool, layers: int = 4, d: int = 128, heads: int = 4) -> tuple[Callable, Callable]:
+    """A flax linen pre-LN encoder: ``(init, loss)``; ``hand=True`` sets ``dtype=bfloat16`` on its layers."""
+    import flax.linen as nn
+
+    dt = jnp.bfloat16 if hand else None
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = nn.LayerNorm(dtype=dt)(x)
+            x = x + nn.SelfAttention(num_heads=heads, dtype=dt)(h)
+            h = nn.Dense(4 * d, dtype=dt)(nn.LayerNorm(dtype=dt)(x))
+            return x + nn.Dense(d, dtype=dt)(nn.gelu(h))
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for _ in range(layers):
+                x = Block()(x)
+            return x.astype(F32)
+
+    model = Encoder()
+
+    def enc_loss(params: Any, x: jax.Array) -> jax.Array:
+        return jnp.mean(jnp.square(model.apply(params, x) - x))
+
+    return model.init, enc_loss
+
+
+def trace_ratios(rounds: int) -> dict[str, float]:
+    """trace+lower of ``jit(value_and_grad(loss))``, autocast / hand-cast, min over interleaved rounds.
+
+    Each round builds a fresh ``fmp.autocast`` wrapper and a fresh ``value_and_grad``, so nothing fmp or the
+    outer ``jit`` traced before is reused; JAX's own caches (jnp's jitted helpers) serve both variants alike.
+    """
+    params = init_params(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, 128, 256))
+    init, enc_loss = linen_encoder(hand=False)
+    _, enc_hand = linen_encoder(hand=True)
+    xe = jax.random.normal(jax.random.key(2), (8, 64, 128))
+    enc_params = init(jax.random.key(3), xe)
+    cases = {
+        "transformer": (lambda: fmp.autocast(loss), lambda: lambda p, x: loss(p, x, hand=True), params, x),
+        "linen encoder": (lambda: fmp.autocast(enc_loss), lambda: enc_hand, enc_params, xe),
+    }
+    out = {}
+    with jax.numpy_dtype_promotion("standard"):
+        for name, (make_auto, make_hand, p, xs) in cases.items():
+            times: dict[str, list[float]] = {"auto": [], "hand": []}
+            for _ in range(rounds):
+                for kind, make in (("auto", make_auto), ("hand", make_hand)):
+                    times[kind].append(compile_once(make(), p, xs, compile=False)[0])
+            out[name] = min(times["auto"]) / min(times["hand"])
+            out[name + " (auto ms)"] = 1e3 * min(times["auto"])
+            out[name + " (hand ms)"] = 1e3 * min(times["hand"])
+    return out
+
+
 def count_converts(hlo_text: str) -> int:
     return sum(1 for line in hlo_text.splitlines() if " convert(" in line)
 
@@ -136,12 +194,14 @@ def residual_bytes(fn: Callable, params: dict, x: jax.Array) -> int:
     return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(res))
 
 
-def compile_once(fn: Callable, params: dict, x: jax.Array) -> tuple[float, float, Any]:
+def compile_once(fn: Callable, params: dict, x: jax.Array, compile: bool = True) -> tuple[float, float, Any]:
     """Traces+lowers and compiles ``value_and_grad(fn)`` from scratch; returns (trace_s, compile_s, compiled)."""
     step = jax.value_and_grad(fn)  # a new function object: no tracing cache hit
     t0 = time.perf_counter()
     lowered = jax.jit(step).lower(params, x)
     t1 = time.perf_counter()
+    if not compile:
+        return t1 - t0, 0.0, None
     compiled = lowered.compile()
     return t1 - t0, time.perf_counter() - t1, compiled
 
@@ -183,7 +243,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--trace-only", action="store_true", help="only the trace+lower ratios (transformer, linen)")
     args = ap.parse_args()
+    if args.trace_only:
+        print(f"jax {jax.__version__}, trace+lower of jit(value_and_grad(loss)), min of {args.rounds} rounds")
+        for name, val in trace_ratios(args.rounds).items():
+            print(f"{name}: {val:.3f}")
+        return
     params = init_params(jax.random.key(0), args.dim)
     x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.dim))
     rows = run_all(variants(), params, x, args.rounds, args.repeats)

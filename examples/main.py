@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"float16 without scaling: {r['flushed']} of {r['nonzero']} gradient elements that are non-zero in "
             f"float32 flush to zero at its final params; test accuracy {100 * r['acc']:.2f}%"
         )
+    # a cross-entropy is never negative: a negative logged loss would mean a value seen at two roundings
+    print("lowest logged loss: " + ", ".join(f"{r['name']} {float(np.min(r['loss'])):.3e}" for r in results))
     if not args.no_plot:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "fmp_main.png"

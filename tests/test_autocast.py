@@ -30,11 +30,14 @@ def mlp(p, x):
 
 def mlp_hand(p, x, dt=jnp.bfloat16):
     """The same MLP with its Dense layers (matmul and bias add) cast to ``dt`` by hand (what autocast should
-    produce); the square is a float32 op."""
+    produce); the square (``integer_pow``, unlisted) runs in ``dt``, the mean in float32. The cast up to float32
+    carries its rounding explicitly (``reduce_precision``), as autocast's casts do: under ``jit`` XLA may
+    otherwise drop the rounding of the square and compute it in float32."""
     h = jnp.dot(x.astype(dt), p["w1"].astype(dt)) + p["b1"].astype(dt)
     h = jax.nn.relu(h)
     y = jnp.dot(h, p["w2"].astype(dt)) + p["b2"].astype(dt)
-    return jnp.mean(y.astype(jnp.float32) ** 2)
+    bits = {jnp.bfloat16: (8, 7), jnp.float16: (5, 10)}[dt]
+    return jnp.mean(jax.lax.reduce_precision((y**2).astype(jnp.float32), *bits))
 
 
 X = jax.random.normal(jax.random.key(1), (8, 16))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +114,72 @@ def test_derive_epilogue_validation_and_torch_tables_unchanged():
         fmp.DEFAULT_RULES.derive(epilogue="add")
     with pytest.raises(TypeError, match="epilogue"):
         fmp.DEFAULT_RULES.derive(epilogue=[1])
+
+
+def _on(h, f):
+    return f(h)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # normalisation: the mean and the variance are computed from the matmul's result
+        lambda x, w, b: _on(x @ w, lambda h: h - jnp.mean(h, axis=-1, keepdims=True)),
+        lambda x, w, b: jax.nn.standardize(x @ w, axis=-1),
+        # max-subtraction (a hand-written softmax) and a stop_gradient'ed max
+        lambda x, w, b: _on(x @ w, lambda h: h - jnp.max(h, axis=-1, keepdims=True)),
+        lambda x, w, b: _on(x @ w, lambda h: h - jax.lax.stop_gradient(jnp.max(h, axis=0))),
+        # a statistic of the same value through a reshape
+        lambda x, w, b: _on((x @ w).reshape(6, 5), lambda h: h - jnp.mean(h, 0)),
+    ],
+)
+def test_a_statistic_of_the_result_is_no_bias(fn):
+    # the normal promotion decides: the same dtypes as with the epilogue rule turned off
+    rows = _adds(fn, X, W, B)
+    assert rows and rows == _adds(fn, X, W, B, rules=NO_EPILOGUE)
+    assert not fmp.explain(fn)(X, W, B).filter(category="epilogue").records
+
+
+def test_an_independent_bias_next_to_a_statistic_is_still_a_bias():
+    # the bias add keeps the epilogue; the centring of its result (a statistic of it) promotes
+    rows = _adds(lambda x, w, b: _on(x @ w + b, lambda h: h - jnp.mean(h, -1, keepdims=True)), X, W, B)
+    assert rows[0] == BF2 and rows[-1][1] == "float32", rows
+    # a mean of the bfloat16 result is float32: the centring promotes to float32
+    assert _adds(lambda x, w, b: _on(x @ w, lambda h: h - jnp.mean(h, -1, keepdims=True)), X, W, B) == [F2]
+
+
+class _BNNet(nn.Module):
+    dtype: object = None  # the hand-cast variant sets bfloat16 on the convolutions
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False)(nn.Conv(8, (3, 3), use_bias=False, dtype=self.dtype)(x))
+        x = nn.BatchNorm(use_running_average=False)(
+            nn.Conv(8, (3, 3), use_bias=False, dtype=self.dtype)(jax.nn.relu(x))
+        )
+        return jnp.mean(jnp.tanh(x) * jnp.cos(jnp.arange(x.size).reshape(x.shape)))
+
+
+@pytest.mark.gallery
+def test_batchnorm_gradients_match_float32():
+    # BatchNorm's centring (x - mean(x)) once ran in bfloat16 as a bias add: gradients off by 15x to 1e4x
+    x = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+    v = _BNNet().init(jax.random.key(1), x)
+
+    def loss(model):
+        return lambda p, x: model.apply({"params": p, "batch_stats": v["batch_stats"]}, x, mutable=["batch_stats"])[0]
+
+    g32 = jax.jit(jax.grad(loss(_BNNet())))(v["params"], x)
+    gac = jax.jit(jax.grad(fmp.autocast(loss(_BNNet()))))(v["params"], x)
+    with jax.numpy_dtype_promotion("standard"):  # flax's BatchNorm promotes bfloat16 with float32
+        ghand = jax.jit(jax.grad(loss(_BNNet(dtype=jnp.bfloat16))))(v["params"], x)
+
+    def rel(a, r):
+        return float(jnp.linalg.norm(a - r) / jnp.linalg.norm(r))
+
+    for (path, r), a, h in zip(
+        jax.tree_util.tree_leaves_with_path(g32), jax.tree.leaves(gac), jax.tree.leaves(ghand), strict=True
+    ):
+        assert a.dtype == jnp.float32
+        # as close to float32 as the same network with bfloat16 convolutions cast by hand (flax dtype=)
+        assert rel(a, r) <= max(1.5 * rel(h, r), 0.02), (jax.tree_util.keystr(path), rel(a, r), rel(h, r))

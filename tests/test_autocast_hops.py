@@ -394,3 +394,31 @@ def test_loop_carry_falls_back_to_original_dtypes_if_no_fixed_point(monkeypatch)
     assert _body_carry_dtypes(rewritten(_widening, X, W), "scan") == (["float32"], ["float32"])
     cj = rewritten(_bf16_rnn, X, W)  # converges in one round
     assert _body_carry_dtypes(cj, "scan") == (["bfloat16"], ["bfloat16"])
+
+
+def test_each_loop_body_and_cond_branch_is_rewritten_once(monkeypatch):
+    from fmp._autocast import _interp
+
+    seen = []
+    inner = _interp._transform_closed
+
+    def counting(closed, *args, **kwargs):
+        seen.append(closed)
+        return inner(closed, *args, **kwargs)
+
+    monkeypatch.setattr(_interp, "_transform_closed", counting)
+    monkeypatch.setattr(_interp, "_CACHE", type(_interp._CACHE)())
+
+    def narrowing(x, w):  # a float32 carry the body returns in bfloat16 (a matmul's result)
+        return jax.lax.scan(lambda h, xt: (jnp.tanh(h @ w), None), x[0], x)[0]
+
+    def disagreeing(x, w):  # one branch returns a matmul's bfloat16 result, the other float32
+        return jax.lax.cond(x[0, 0] > 0, lambda: x @ w, lambda: x * 2.0)
+
+    for fn in (narrowing, disagreeing):
+        seen.clear()
+        out = jax.jit(fmp.autocast(fn))(X, W)
+        assert out.dtype == jnp.float32 and len(seen) == len({id(c) for c in seen}), fn.__name__
+        np.testing.assert_allclose(out, fn(X, W), rtol=3e-2, atol=3e-2)
+    rep = fmp.explain(narrowing)(X, W)  # one set of rows, the carry's cast back included
+    assert len(rep.filter(op="dot_general").records) == 1 and len(rep.filter(op="tanh").records) == 1

@@ -202,6 +202,14 @@ def test_main_fast_float16_scaling_matches_float32():
     assert m and int(m.group(1)) > 0, "the unscaled float16 run flushed no gradient to zero"
     scaled = re.search(r"\| float16\+scaling \|.*\| (\d+)/\d+ \(", out)
     assert scaled and int(scaled.group(1)) * 10 <= int(m.group(1)), "loss scaling did not prevent the flushes"
+    _assert_no_negative_loss(out)
+
+
+def _assert_no_negative_loss(out: str) -> None:
+    lows = re.search(r"lowest logged loss: (.*)", out)
+    assert lows, out
+    for name, val in re.findall(r"([\w+]+) (-?[0-9.e+-]+)", lows.group(1)):
+        assert float(val) >= 0, f"{name} logged a negative cross-entropy: {lows.group(0)}"
 
 
 @pytest.mark.slow
@@ -209,6 +217,7 @@ def test_main_default_run(tmp_path):
     out = _run("main.py", "--out", str(tmp_path), "--quiet", timeout=600)
     assert "(within 1 point)" in out, out
     assert (tmp_path / "fmp_main.png").stat().st_size > 10_000
+    _assert_no_negative_loss(out)
 
 
 def _third_party_imports(path) -> set[str]:

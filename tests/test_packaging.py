@@ -57,6 +57,31 @@ def test_imports_point_downward():
                 assert node.module.startswith("fmp._core"), (path, node.module)
 
 
+def test_autocast_modules_form_no_cycle():
+    # fmp._autocast: the interpreter core (_interp, with its row helpers _rows) at the bottom; rules, handlers, the public wrappers and
+    # explain stand on it. Every import inside the package (local imports included) must form a DAG.
+    pkg = ROOT / "fmp" / "_autocast"
+    graph: dict[str, set[str]] = {}
+    for path in pkg.glob("*.py"):
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fmp._autocast"):
+                mods = [a.name for a in node.names] if node.module == "fmp._autocast" else [node.module.split(".")[2]]
+                deps.update(m for m in mods if (pkg / f"{m}.py").exists())
+    assert graph["_interp"] <= {"_jax_internals", "_rows"}, graph["_interp"]
+    done: set[str] = set()
+
+    def visit(mod: str, path: tuple[str, ...]) -> None:
+        assert mod not in path, f"import cycle: {' -> '.join((*path, mod))}"
+        if mod not in done:
+            for dep in graph[mod]:
+                visit(dep, (*path, mod))
+            done.add(mod)
+
+    for mod in graph:
+        visit(mod, ())
+
+
 def test_eight_fake_devices_helper():
     out = run_with_devices(
         """

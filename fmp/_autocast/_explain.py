@@ -2,37 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jax.extend.core import JaxprEqn
-
 from fmp._autocast import _wrap
 from fmp._autocast._checks import check_args
-from fmp._autocast._transform import Context, check_overrides, check_rules, rewrite_top
+from fmp._autocast._rows import flops
+from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet
-from fmp._policy import Policy, get_policy
-
-
-def flops(eqn: JaxprEqn) -> float:
-    """Estimated floating-point operations of a matmul or convolution (0 for other ops)."""
-    name = eqn.primitive.name
-    if name not in ("dot_general", "conv_general_dilated"):
-        return 0.0
-    out = eqn.outvars[0].aval
-    if name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        k = math.prod(lhs.shape[d] for d in lhs_contract)
-        return 2.0 * math.prod(out.shape) * k
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval
-        out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]
-        per_output = math.prod(rhs.shape) / rhs.shape[out_feature_dim]
-        return 2.0 * math.prod(out.shape) * per_output
-    return 0.0
+from fmp._policy import Policy
 
 
 def explain(
@@ -68,16 +47,14 @@ def explain(
     """
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
-    pol = get_policy(policy)
-    ruleset = check_rules(rules)
-    over = check_overrides(overrides)
+    config = configure(policy, rules, overrides)
 
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
         closed, _, _ = _wrap.trace(fn, args, kwargs)
-        ctx = Context(pol, ruleset, over, records=[])
+        ctx = make_context(config, records=[])
         rewrite_top(closed, ctx)
-        return Report(records=tuple(ctx.records or ()), policy=str(pol), framework="jax")
+        return Report(records=tuple(ctx.records or ()), policy=str(config.policy), framework="jax")
 
     return run
 

@@ -17,7 +17,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._transform import (
+from fmp._autocast._interp import (
     Context,
     Handler,
     _is_castable,
@@ -86,11 +86,11 @@ def _loop_body(
     """
     mark = None if ctx.records is None else len(ctx.records)
     nk = len(carry_avals)
+    body: ClosedJaxpr | None = None
     dts = [
         aval_of(x).dtype if hasattr(a, "dtype") and _is_castable(a.dtype) and _is_castable(aval_of(x).dtype) else None
         for x, a in zip(init, carry_avals, strict=True)
     ]
-    body: ClosedJaxpr | None = None
     for _ in range(_MAX_ROUNDS):
         if mark is not None and ctx.records is not None:
             del ctx.records[mark:]
@@ -102,14 +102,32 @@ def _loop_body(
             break
         dts = nxt
     else:  # not reached: the join is monotone; fall back to the original program's carry dtypes
-        avals, body = list(carry_avals), None
+        avals = list(carry_avals)
+        body = transform_closed(closed, before + avals + after, ctx, scope)
     want = [a.dtype if hasattr(a, "dtype") else None for a in avals]
-    if body is None or [getattr(o, "dtype", None) for o in body.out_avals[:nk]] != want:
-        if mark is not None and ctx.records is not None:
-            del ctx.records[mark:]
-        pinned = want + [None] * (len(closed.out_avals) - nk)
-        body = transform_closed(closed, before + avals + after, ctx, scope, pinned)
-    return body, avals
+    pinned = want + [None] * (len(closed.out_avals) - nk)
+    return _pin_outputs(body, pinned, ctx), avals
+
+
+def _pin_outputs(closed: ClosedJaxpr, dtypes: list[Any], ctx: Context) -> ClosedJaxpr:
+    """``closed`` with its outputs cast to ``dtypes`` (None: kept), without rewriting the body again.
+
+    The rewritten body is re-traced as it is (no rule is consulted), with casts
+    appended where an output's dtype differs: a loop carry the body narrows, a
+    ``cond`` branch that disagrees with another.
+    """
+    if all(d is None or getattr(o, "dtype", None) == d for o, d in zip(closed.out_avals, dtypes, strict=True)):
+        return closed
+
+    def fun(*args: Any) -> list[Any]:
+        outs = jaxpr_as_fun(closed)(*args)
+        ctx.memos.append({})  # the casts' memo belongs to this trace
+        try:
+            return [o if d is None else cast(o, d, ctx) for o, d in zip(outs, dtypes, strict=True)]
+        finally:
+            ctx.memos.pop()
+
+    return _jax_internals.trace_to_closed_jaxpr(fun, closed.in_avals, "fmp.autocast")
 
 
 def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
@@ -139,14 +157,11 @@ def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
 def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     branches: tuple[ClosedJaxpr, ...] = eqn.params["branches"]
     index, ops = invals[0], invals[1:]
-    mark = None if ctx.records is None else len(ctx.records)
     new = [transform_closed(b, _like(b.in_avals, ops), ctx, scope) for b in branches]
     outs = [tuple(getattr(a, "dtype", None) for a in b.out_avals) for b in new]
     if len(set(outs)) > 1:  # branches disagree: pin the outputs that differ to the original dtype
-        if ctx.records is not None and mark is not None:
-            del ctx.records[mark:]
         pinned = [None if len({o[i] for o in outs}) == 1 else v.aval.dtype for i, v in enumerate(eqn.outvars)]
-        new = [transform_closed(b, _like(b.in_avals, ops), ctx, scope, pinned) for b in branches]
+        new = [_pin_outputs(b, pinned, ctx) for b in new]
     return bind(eqn, [index, *ops], dict(eqn.params, branches=tuple(new)))
 
 

@@ -11,9 +11,10 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from fmp._autocast._checks import check_args, warn_no_effect
-from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
+from fmp._autocast._interp import REGION_SCOPE
+from fmp._autocast._transform import configure, make_context, run_top
 from fmp._core._rules import RuleSet
-from fmp._policy import Policy, get_policy
+from fmp._policy import Policy
 
 
 def _is_dynamic(leaf: Any) -> bool:
@@ -53,8 +54,8 @@ def autocast(
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
     ``fn`` is traced to a jaxpr and its rewrite (the program
-    [`fmp.autocast_jaxpr`][fmp.autocast_jaxpr] returns) is evaluated in the caller's trace, so the result composes
-    with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
+    [`fmp.autocast_jaxpr`][fmp.autocast_jaxpr] returns) is evaluated in the caller's trace, so the result composes with ``jax.jit``,
+    ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
     the policy's compute dtype, exponentials, logarithms, powers and sums in
     float32, multi-input elementwise ops in their widest input, except that a
     bias added to a matmul's or convolution's result is added in the compute
@@ -112,10 +113,8 @@ def autocast(
         )
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled=...) expects a bool, got {type(enabled).__name__}")
-    pol = get_policy(policy)
-    ruleset = check_rules(rules)
-    over = check_overrides(overrides)
-    label = policy if isinstance(policy, str) else str(pol)
+    config = configure(policy, rules, overrides)
+    label = policy if isinstance(policy, str) else str(config.policy)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -124,9 +123,9 @@ def autocast(
                 return fn(*args, **kwargs)
         check_args(args, kwargs)
         closed, arrays, out_tree = trace(fn, args, kwargs)
-        warn_no_effect(closed, pol, over, label)
+        warn_no_effect(closed, config.policy, config.overrides, label)
         with jax.named_scope(REGION_SCOPE):
-            outs = run_top(closed, arrays, Context(pol, ruleset, over))
+            outs = run_top(closed, arrays, make_context(config))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped

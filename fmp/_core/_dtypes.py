@@ -16,6 +16,9 @@ _ALIAS_TO_NAME = {alias: name for name, aliases in FLOAT_ALIASES.items() for ali
 CASTABLE = frozenset({"float16", "bfloat16", "float32"})
 LOW_PRECISION = frozenset({"float16", "bfloat16"})
 
+# (exponent bits, mantissa bits) of the low-precision formats, for lax.reduce_precision
+FORMAT_BITS = {"float16": (5, 10), "bfloat16": (8, 7)}
+
 _WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 
 

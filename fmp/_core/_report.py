@@ -22,6 +22,8 @@ class OpRecord:
       scope: Name scope / module path the op came from, or ``""``.
       category: The rule that decided it (a ``Category`` value, or ``"cast"``
         for a cast fmp inserted, ``"user_cast"`` for one the user wrote,
+        ``"statistic"`` for a jnp reduction's rounding of a float32 statistic
+        back to a low-precision dtype, which fmp drops,
         ``"nested"`` for an op an inner autocast region decided, ``"opaque"``
         for one run in its original dtypes as written).
       in_before, in_after: Floating input dtype names before / after the rewrite.

@@ -1,0 +1,165 @@
+"""The rules for first-order equations: the rule table's decision, the epilogue rule, user casts.
+
+``leaf`` is what the interpreter (``_interp``) runs for every equation that
+carries no sub-jaxpr: it casts the inputs as the rule table decides (from the
+dtypes they have in the rewritten program), with two refinements the table
+cannot express: a bias added to a matmul's result stays in the compute dtype
+(the epilogue rule), and a jnp reduction's own rounding of a float32
+statistic back to a low-precision dtype is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import JaxprEqn, Literal
+from jax.extend.core.primitives import convert_element_type_p
+
+from fmp._autocast._interp import Context, _is_castable, aval_of, bind, cast, dtype_name, record_eqn, round_once
+from fmp._core import _dtypes
+from fmp._core._rules import Category, decide
+from fmp._policy import Policy
+
+
+def leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy) -> list[Any]:
+    """Rewrites and binds one first-order equation under ``policy``."""
+    if eqn.primitive is convert_element_type_p:
+        return _user_cast(eqn, invals, ctx, scope)
+    return _decided(eqn, invals, ctx, scope, policy)
+
+
+_STATISTICS_FILE = "jax/_src/numpy/reductions.py"
+
+
+def _is_statistic_rounding(eqn: JaxprEqn, dtype: Any) -> bool:
+    """A float32 -> low-precision cast that a jnp reduction wrote (``jnp.sum``/``mean``/``var``/``std``...
+    of a low-precision array accumulate in float32 and round the result back): it is dropped, so the
+    statistic stays float32, as torch's autocast returns float32 from its float32-list reductions."""
+    if dtype_name(dtype) != "float32" or dtype_name(eqn.params["new_dtype"]) not in _dtypes.LOW_PRECISION:
+        return False
+    tb = eqn.source_info.traceback
+    if tb is None:
+        return False
+    return any(f.file_name.replace("\\", "/").endswith(_STATISTICS_FILE) for f in tb.frames)
+
+
+def _user_cast(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """An explicit cast in the program is respected: its output dtype is kept (except a jnp reduction's own
+    rounding of a float32 statistic back to a low-precision dtype, see ``_is_statistic_rounding``)."""
+    (x,) = invals
+    aval = aval_of(x)
+    new_dtype = eqn.params["new_dtype"]
+    rule = "user_cast"
+    if aval.dtype == new_dtype and aval.weak_type == eqn.params.get("weak_type", False):
+        outs = [x]
+    elif _is_statistic_rounding(eqn, aval.dtype):
+        outs, rule = [x], "statistic"
+    else:
+        outs = [round_once(o, aval.dtype) for o in bind(eqn, invals, eqn.params)]
+    record_eqn(eqn, ctx, scope, rule, invals, outs)
+    return outs
+
+
+def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy) -> list[Any]:
+    prim = eqn.primitive
+    category = ctx.rules.category(prim.name)
+    cur = [aval_of(x) for x in invals]
+    orig = [v.aval for v in eqn.invars]
+    floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and _is_castable(a.dtype)]
+    # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
+    follow = {i for i in floats if cur[i].weak_type or (isinstance(eqn.invars[i], Literal) and not cur[i].shape)}
+    strong = [dtype_name(cur[i].dtype) for i in floats if i not in follow]
+    compute = policy.compute_dtype.name
+    if category is Category.BANNED and compute == "float16" and floats:
+        raise ValueError(ctx.rules.banned_message(prim.name))
+    target = decide(category, compute, strong)
+    rule = category.value
+    if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue and _is_epilogue(eqn, cur, ctx, compute):
+        target, rule = compute, "epilogue"
+    new = list(invals)
+    if target is not None:
+        new = [cast(x, target, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
+    else:
+        changed = [i for i in floats if cur[i].dtype != orig[i].dtype]
+        if changed:
+            orig_set = {dtype_name(orig[i].dtype) for i in floats}
+            if len(orig_set) == 1:
+                unify = _dtypes.widest(strong) if strong else orig_set.pop()
+                new = [cast(x, unify, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
+            else:
+                new = [cast(x, orig[i].dtype, ctx, eqn, scope) if i in changed else x for i, x in enumerate(invals)]
+    params = dict(eqn.params)
+    if target is not None and params.get("preferred_element_type") is not None:
+        params["preferred_element_type"] = _preferred(eqn, target)
+    outs = bind(eqn, new, params)
+    record_eqn(eqn, ctx, scope, rule, new, outs)
+    return outs
+
+
+# Ops an epilogue operand is traced back through: they move or re-view a value
+# without computing on it.
+_PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
+
+
+def _root(var: Any, producers: Mapping[Any, JaxprEqn]) -> tuple[Any, JaxprEqn | None]:
+    """Follows ``var`` back through pass-through ops; returns the root and the equation that made it."""
+    while not isinstance(var, Literal):
+        eqn = producers.get(var)
+        if eqn is None or eqn.primitive.name not in _PASS_THROUGH:
+            return var, eqn
+        var = eqn.invars[0]
+    return var, None
+
+
+def _depends(var: Any, on: Any, producers: Mapping[Any, JaxprEqn]) -> bool:
+    """Whether ``var`` is computed (in this jaxpr) from ``on``."""
+    stack, seen = [var], set()
+    while stack:
+        v = stack.pop()
+        if v is on:
+            return True
+        if isinstance(v, Literal) or v in seen:
+            continue
+        seen.add(v)
+        made = producers.get(v)
+        if made is not None:
+            stack.extend(made.invars)
+    return False
+
+
+def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> bool:
+    """The epilogue rule: ``lp_result + bias`` (either order) runs in the compute dtype.
+
+    True when the equation has two floating inputs, one of them is in the compute
+    dtype now and comes (through pass-through ops, in this jaxpr) from a
+    ``lower_precision`` equation, and the other comes from a value with fewer
+    elements than the result (a bias broadcast over the batch) that is not
+    computed from that result: a statistic of the result (a mean, a variance,
+    a maximum) is no bias, so normalisation and max-subtraction take the
+    normal promotion.
+    """
+    if len(eqn.invars) != 2 or not all(hasattr(a, "dtype") and _is_castable(a.dtype) for a in cur):
+        return False
+    producers = ctx.producers[-1] if ctx.producers else {}
+    size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+    for i in (0, 1):
+        if dtype_name(cur[i].dtype) != compute:
+            continue
+        _, made = _root(eqn.invars[i], producers)
+        if made is None or ctx.rules.category(made.primitive.name) is not Category.LOWER_PRECISION:
+            continue
+        other, _ = _root(eqn.invars[1 - i], producers)
+        if int(np.prod(other.aval.shape, dtype=np.int64)) < size and not _depends(other, made.outvars[0], producers):
+            return True
+    return False
+
+
+def _preferred(eqn: JaxprEqn, target: str) -> Any:
+    """dot/conv accumulation type: follows the compute dtype unless the program asked for another."""
+    pet = np.dtype(eqn.params["preferred_element_type"])
+    ins = {v.aval.dtype for v in eqn.invars if hasattr(v.aval, "dtype")}
+    if ins == {pet}:  # jnp's default: accumulate in the input dtype
+        return np.dtype(target)
+    return pet
