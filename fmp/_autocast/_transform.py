@@ -27,6 +27,7 @@ from fmp._autocast import _jax_internals
 from fmp._core import _dtypes
 from fmp._core._report import OpRecord
 from fmp._core._rules import DEFAULT_RULES, Category, RuleSet, decide
+from fmp._fp8 import _bind as _fp8
 from fmp._policy import Policy, get_policy
 
 # The named scope an autocast region runs under. An outer autocast leaves every
@@ -89,6 +90,8 @@ class Context:
     memos: list[dict[tuple[int, str], tuple[Any, Any]]] = dataclasses.field(default_factory=list)
     # one map per jaxpr being evaluated: original variable -> the equation that produced it (epilogue rule)
     producers: list[dict[Any, JaxprEqn]] = dataclasses.field(default_factory=list)
+    # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._fp8._state)
+    fp8_sites: Any = None
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
@@ -346,6 +349,10 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
     target = decide(category, compute, strong)
+    if category is Category.FLOAT8 and target is not None:
+        if policy.fp8 is not None and len(floats) == len(invals) == 2:
+            return _float8(eqn, invals, ctx, scope, policy)
+        category = Category.LOWER_PRECISION  # no fp8 recipe: an ordinary lower_precision op
     rule = category.value
     if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue and _is_epilogue(eqn, cur, ctx, compute):
         target, rule = compute, "epilogue"
@@ -366,6 +373,35 @@ def _leaf(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Po
         params["preferred_element_type"] = _preferred(eqn, target)
     outs = bind(eqn, new, params)
     _record_eqn(eqn, ctx, scope, rule, new, outs)
+    return outs
+
+
+def _float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy) -> list[Any]:
+    """A float8-category op under a policy with an fp8 recipe: quantised from its inputs as they come."""
+    recipe = policy.fp8
+    compute = policy.compute_dtype.name
+    out_dtype = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
+    out_dtype = np.dtype(jax.numpy.float32) if recipe.output == "float32" else out_dtype
+    history = None
+    if recipe.scaling == "delayed" and ctx.fp8_sites is not None and len(ctx.memos) == 1:
+        if eqn.primitive.name == "dot_general":  # top level only: a loop body would share one history row
+            history = ctx.fp8_sites.take(f"{eqn.primitive.name}@{scope}")
+    outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history)]
+    if ctx.records is not None:
+        from fmp._autocast._explain import flops  # local: explain imports this module
+
+        ctx.record(
+            op=eqn.primitive.name,
+            source=_source(eqn),
+            scope=scope,
+            category=Category.FLOAT8.value,
+            in_before=_float_names([v.aval for v in eqn.invars]),
+            in_after=("float8_e4m3fn", "float8_e4m3fn"),
+            out_before=_float_names([v.aval for v in eqn.outvars]),
+            out_after=_float_names([aval_of(x) for x in outs]),
+            flops=flops(eqn),
+            detail=_fp8.scaling_label(recipe, eqn.primitive.name, history is not None),
+        )
     return outs
 
 
@@ -400,7 +436,7 @@ def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) 
         if dtype_name(cur[i].dtype) != compute:
             continue
         _, made = _root(eqn.invars[i], producers)
-        if made is None or ctx.rules.category(made.primitive.name) is not Category.LOWER_PRECISION:
+        if made is None or ctx.rules.category(made.primitive.name) not in (Category.LOWER_PRECISION, Category.FLOAT8):
             continue
         other, _ = _root(eqn.invars[1 - i], producers)
         if int(np.prod(other.aval.shape, dtype=np.int64)) < size:

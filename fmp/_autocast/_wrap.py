@@ -10,8 +10,9 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
-from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
+from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, rewrite_top, run_top
 from fmp._core._rules import RuleSet
+from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy, get_policy
 
 
@@ -48,6 +49,7 @@ def autocast(
     rules: RuleSet | None = None,
     enabled: bool = True,
     overrides: Mapping[str, Any] | None = None,
+    fp8_state: Float8State | None = None,
 ) -> Any:
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
@@ -79,6 +81,10 @@ def autocast(
         (flax linen opens one per module) whose name contains the substring run
         under that policy, e.g. ``{"LayerNorm": "float32"}``. Matching is
         case-sensitive on the scopes opened inside ``fn``; the innermost wins.
+        An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
+      fp8_state: For a policy with ``fp8="delayed"``: the :class:`fmp.Float8State`
+        the scales come from (see :func:`fmp.float8_state`). Differentiate with
+        respect to it to get the next state's amax history.
 
     Returns:
       A function with ``fn``'s signature.
@@ -98,7 +104,9 @@ def autocast(
       dtype(bfloat16)
     """
     if fn is None:
-        return functools.partial(autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides)
+        return functools.partial(
+            autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides, fp8_state=fp8_state
+        )
     if not callable(fn):
         raise TypeError(
             f"autocast(fn) expects a callable, got {type(fn).__name__}; "
@@ -109,6 +117,8 @@ def autocast(
     pol = get_policy(policy)
     ruleset = check_rules(rules)
     over = check_overrides(overrides)
+    if fp8_state is not None and not isinstance(fp8_state, Float8State):
+        raise TypeError(f"autocast(fp8_state=...) expects an fmp.Float8State, got {type(fp8_state).__name__}")
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -117,7 +127,43 @@ def autocast(
                 return fn(*args, **kwargs)
         closed, arrays, out_tree = trace(fn, args, kwargs)
         with jax.named_scope(REGION_SCOPE):
-            outs = run_top(closed, arrays, Context(pol, ruleset, over))
+            sites = None if fp8_state is None else SiteFeeder(fp8_state)
+            outs = run_top(closed, arrays, Context(pol, ruleset, over, fp8_sites=sites))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
+
+
+def float8_state(
+    fn: Callable[..., Any],
+    policy: str | Policy = "p=f32,c=bf16,o=f32,fp8=delayed",
+    *,
+    rules: RuleSet | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Callable[..., Float8State]:
+    """Builds the :class:`fmp.Float8State` of ``fn`` under a delayed-scaling policy.
+
+    Returns a function of ``fn``'s arguments; it traces and rewrites ``fn``
+    (nothing is computed) and returns a state with one empty amax history per
+    top-level float8 ``dot_general`` (matmuls inside ``jit``/``scan`` bodies run
+    tensorwise current scaling and have no entry).
+
+    Examples:
+      >>> f = lambda x, w: jnp.tanh(x @ w) @ w.T
+      >>> st = fmp.float8_state(f)(jnp.ones((2, 3)), jnp.ones((3, 3)))
+      >>> st.amax_history.shape, st.recipe.scaling
+      ((2, 3, 16), 'delayed')
+    """
+    pol = get_policy(policy)
+    if pol.fp8 is None or pol.fp8.scaling != "delayed":
+        raise ValueError(f"float8_state needs a policy with fp8=delayed, got {str(pol)!r}")
+    ruleset = check_rules(rules)
+    over = check_overrides(overrides)
+
+    def build(*args: Any, **kwargs: Any) -> Float8State:
+        closed, _, _ = trace(fn, args, kwargs)
+        sites = SiteFeeder(None)
+        rewrite_top(closed, Context(pol, ruleset, over, fp8_sites=sites))
+        return Float8State.zeros(sites.labels, pol.fp8)
+
+    return build

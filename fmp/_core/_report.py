@@ -27,6 +27,8 @@ class OpRecord:
       in_before, in_after: Floating input dtype names before / after the rewrite.
       out_before, out_after: Output dtype names before / after the rewrite.
       flops: Estimated floating-point operations (0 when unknown or negligible).
+      detail: Extra facts about the decision; for a ``float8`` row, the scaling
+        recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...).
     """
 
     index: int
@@ -39,6 +41,7 @@ class OpRecord:
     out_before: tuple[str, ...]
     out_after: tuple[str, ...]
     flops: float = 0.0
+    detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,6 +66,7 @@ class Report:
         """Totals: FLOPs and their low-precision share, casts inserted, float32 islands."""
         total = sum(r.flops for r in self.records)
         low = sum(r.flops for r in self.records if any(d in LOW for d in r.out_after))
+        fp8 = sum(r.flops for r in self.records if r.category == "float8")
         casts = sum(1 for r in self.records if r.category == "cast")
         islands = 0
         inside = False
@@ -77,6 +81,8 @@ class Report:
             "flops": total,
             "low_precision_flops": low,
             "low_precision_flop_share": (low / total) if total else 0.0,
+            "float8_flops": fp8,
+            "float8_flop_share": (fp8 / total) if total else 0.0,
             "casts_inserted": casts,
             "float32_islands": islands,
         }
@@ -101,7 +107,7 @@ class Report:
 
 
 def _dtypes(names: Iterable[str]) -> str:
-    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "float8_e4m3fn": "e4m3"}
     return ",".join(short.get(n, n) for n in names) or "-"
 
 
@@ -119,7 +125,7 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
         (
             str(r.index),
             r.op,
-            r.category,
+            f"{r.category}:{r.detail}" if r.detail else r.category,
             _dtypes(r.in_before),
             _dtypes(r.in_after),
             _dtypes(r.out_before),
@@ -140,4 +146,6 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
         f"{share:.1%} of flops in low precision, {summary.get('casts_inserted', 0)} casts inserted, "
         f"{summary.get('float32_islands', 0)} float32 islands"
     )
+    if summary.get("float8_flops"):
+        out.append(f"{summary['float8_flop_share']:.1%} of flops in float8")
     return "\n".join(out)
