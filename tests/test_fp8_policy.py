@@ -175,3 +175,18 @@ def test_delayed_scaling_train_step_updates_state_inside_jit():
     assert np.isfinite(float(l1)) and step._cache_size() == 1  # no retrace from the state
     with pytest.raises(TypeError, match="Float8State"):
         fmp.autocast(mlp, pol, fp8_state=np.zeros(3))
+
+
+def test_float8_guide_examples_run(capsys):
+    import re
+
+    from tests.helpers import ROOT
+
+    text = (ROOT / "docs" / "guides" / "float8.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    assert len(blocks) >= 4
+    namespace: dict = {}
+    with jax.numpy_dtype_promotion("standard"):  # documentation code is written for JAX's default promotion
+        for block in blocks:
+            exec(compile(block, "docs/guides/float8.md", "exec"), namespace)  # noqa: S102
+    assert "float8:rowwise" in capsys.readouterr().out
