@@ -112,7 +112,7 @@ def test_saturating_cast_and_scales():
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
 def test_all_zero_and_tiny_tensors_give_no_nan(scaling):
-    x, w, g = _data(m=4, k=130, n=8)
+    x, w, g = _data()  # the shapes of the tests above: the jitted products are reused
     for xx, ww, gg in ((x * 0, w, g), (x, w * 0, g * 0), (x * 1e-42, w, g * 1e-42)):
         out, dx, dw = lib_dot(xx, ww, gg, scaling)
         for a in (out, dx, dw):
