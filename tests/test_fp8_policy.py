@@ -190,3 +190,38 @@ def test_float8_guide_examples_run(capsys):
         for block in blocks:
             exec(compile(block, "docs/guides/float8.md", "exec"), namespace)  # noqa: S102
     assert "float8:rowwise" in capsys.readouterr().out
+
+
+def test_explain_labels_delayed_sites_and_nested_fallback():
+    p, x = _params()
+
+    def net(p, x):
+        h = jax.jit(lambda x, w: x @ w)(x, p["w1"])  # inside a jit body: no history row
+        return h @ jnp.ones((64, 4), F32)
+
+    rep = fmp.explain(net, "p=f32,c=bf16,o=f32,fp8=delayed")(p, x)
+    assert [r.detail for r in rep.records if r.category == "float8"] == ["tensorwise (no state)", "delayed"]
+    assert fmp.float8_state(net)(p, x).amax_history.shape[0] == 1
+
+
+def test_sharded_batch_equals_unsharded():
+    from tests.helpers import run_python
+
+    out = run_python(
+        """
+        import jax, jax.numpy as jnp, numpy as np, fmp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        x = jax.random.normal(jax.random.key(0), (8, 32))
+        w = jax.random.normal(jax.random.key(1), (32, 16))
+        f = jax.jit(jax.value_and_grad(lambda w, x: jnp.sum(fmp.autocast(lambda w, x: x @ w, "mixed_float8")(w, x))))
+        ref = f(w, x)
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        got = f(w, xs)
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        print("sharded ok", len(got[1].sharding.device_set) if hasattr(got[1], "sharding") else 0)
+        """,
+        devices=2,
+    )
+    assert "sharded ok" in out

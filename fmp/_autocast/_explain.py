@@ -12,6 +12,7 @@ from fmp._autocast import _wrap
 from fmp._autocast._transform import Context, check_overrides, check_rules, rewrite_top
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet
+from fmp._fp8._state import SiteFeeder
 from fmp._policy import Policy, get_policy
 
 
@@ -73,7 +74,7 @@ def explain(
 
     def run(*args: Any, **kwargs: Any) -> Report:
         closed, _, _ = _wrap.trace(fn, args, kwargs)
-        ctx = Context(pol, ruleset, over, records=[])
+        ctx = Context(pol, ruleset, over, records=[], fp8_sites=SiteFeeder(None))  # delayed sites as with a state
         rewrite_top(closed, ctx)
         return Report(records=tuple(ctx.records or ()), policy=str(pol), framework="jax")
 

@@ -382,10 +382,10 @@ def _float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: 
     compute = policy.compute_dtype.name
     out_dtype = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
     out_dtype = np.dtype(jax.numpy.float32) if recipe.output == "float32" else out_dtype
-    history = None
-    if recipe.scaling == "delayed" and ctx.fp8_sites is not None and len(ctx.memos) == 1:
-        if eqn.primitive.name == "dot_general":  # top level only: a loop body would share one history row
-            history = ctx.fp8_sites.take(f"{eqn.primitive.name}@{scope}")
+    # delayed scaling: top-level dot_generals only (a loop body would share one history row)
+    site = recipe.scaling == "delayed" and ctx.fp8_sites is not None and len(ctx.memos) == 1
+    site = site and eqn.primitive.name == "dot_general"
+    history = ctx.fp8_sites.take(f"{eqn.primitive.name}@{scope}") if site else None
     outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history)]
     if ctx.records is not None:
         from fmp._autocast._explain import flops  # local: explain imports this module
@@ -400,7 +400,7 @@ def _float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: 
             out_before=_float_names([v.aval for v in eqn.outvars]),
             out_after=_float_names([aval_of(x) for x in outs]),
             flops=flops(eqn),
-            detail=_fp8.scaling_label(recipe, eqn.primitive.name, history is not None),
+            detail=_fp8.scaling_label(recipe, eqn.primitive.name, site),
         )
     return outs
 

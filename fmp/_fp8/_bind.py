@@ -59,7 +59,7 @@ def bind_float8(
     return _dot.fp8_dot_general(lhs, rhs, dims, recipe, out_dtype)
 
 
-def scaling_label(recipe: Float8Recipe, prim_name: str, has_history: bool) -> str:
+def scaling_label(recipe: Float8Recipe, prim_name: str, has_site: bool) -> str:
     """How a site was scaled, for explain: ``"tensorwise"``, ``"delayed"``, ...
 
     Convolutions always run tensorwise; a delayed site without a state (nested in
@@ -67,6 +67,6 @@ def scaling_label(recipe: Float8Recipe, prim_name: str, has_history: bool) -> st
     """
     if prim_name == "conv_general_dilated" and recipe.scaling != "tensorwise":
         return "tensorwise (conv)"
-    if recipe.scaling == "delayed" and not has_history:
+    if recipe.scaling == "delayed" and not has_site:
         return "tensorwise (no state)"
     return recipe.scaling
