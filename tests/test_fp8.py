@@ -46,10 +46,10 @@ def ref_first(x, dtype, scaling, pow2=False, block=128):
     return jnp.asarray(_ref_qdq_blocks(x, dtype, pow2, rows, cols))
 
 
-def ref_second(x, dtype, scaling, pow2=False, block=128):
-    """Second operand x[k, n] of a product (contraction k)."""
+def ref_second(x, dtype, scaling, pow2=False, block=128, grad=False):
+    """Second operand x[k, n] of a product (contraction k); a gradient gets block x 1 tiles, a weight blocks."""
     k, n = x.shape
-    rows, cols = {"tensorwise": (k, n), "rowwise": (k, 1), "blockwise": (block, block)}[scaling]
+    rows, cols = {"tensorwise": (k, n), "rowwise": (k, 1), "blockwise": (block, 1 if grad else block)}[scaling]
     return jnp.asarray(_ref_qdq_blocks(x, dtype, pow2, rows, cols))
 
 
@@ -57,7 +57,7 @@ def ref_dot(x, w, g, scaling, pow2=False):
     """Forward x @ w and the two backward products g @ w^T, x^T @ g, quantised as the recipe says."""
     out = jnp.dot(ref_first(x, E4M3, scaling, pow2), ref_second(w, E4M3, scaling, pow2), precision=HI)
     dx = jnp.dot(ref_first(g, E5M2, scaling, pow2), ref_second(w.T, E4M3, scaling, pow2), precision=HI)
-    dw = jnp.dot(ref_first(x.T, E4M3, scaling, pow2), ref_second(g, E5M2, scaling, pow2), precision=HI)
+    dw = jnp.dot(ref_first(x.T, E4M3, scaling, pow2), ref_second(g, E5M2, scaling, pow2, grad=True), precision=HI)
     return out, dx, dw
 
 

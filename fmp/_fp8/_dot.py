@@ -7,7 +7,9 @@ quantise -> convert -> scale -> dot pattern XLA's GPU backend fuses into an fp8
 GEMM; on CPU it is emulated exactly) and casts the product to the output dtype.
 Its backward recomputes the quantisation of the saved operands for the new
 contraction and quantises the output gradient to ``float8_e5m2`` for both
-products: ``da = g @ b^T`` and ``db = a^T @ g``.
+products: ``da = g @ b^T`` and ``db = a^T @ g``. Block-wise, activations and
+gradients get ``1 x 128`` tiles along each product's contraction and weights
+``128 x 128`` blocks, as DeepSeek-V3 trains.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ _MSG_MX_BACKEND = (
 F32 = jnp.dtype(jnp.float32)
 
 
-def _product(a: jax.Array, b: jax.Array, da: Any, db: Any, scaling: str, block: int, pow2: bool) -> jax.Array:
-    """``qdq(a) @ qdq(b)`` in float32 for ``a[b, m, k]``, ``b[b, k, n]``."""
+def _product(
+    a: jax.Array, b: jax.Array, da: Any, db: Any, scaling: str, block: int, pow2: bool, b_tiles: bool = False
+) -> jax.Array:
+    """``qdq(a) @ qdq(b)`` in float32 for ``a[b, m, k]``, ``b[b, k, n]``; ``b_tiles``: ``b`` is a gradient."""
     qa = _quant.qdq_first(a, da, scaling, block, pow2)
-    qb = _quant.qdq_second(b, db, scaling, block, pow2)
+    qb = _quant.qdq_second(b, db, scaling, block, pow2, tiles=b_tiles)
     dims = (((2,), (1,)), ((0,), (0,)))
     return jax.lax.dot_general(qa, qb, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
 
@@ -57,7 +61,7 @@ def _fwd(a, b, scaling, block, pow2, out_dtype):
 def _bwd(scaling, block, pow2, out_dtype, res, g):
     a, b = res
     da = _product(g, _swap(b), _quant.E5M2, _quant.E4M3, scaling, block, pow2)
-    db = _product(_swap(a), g, _quant.E4M3, _quant.E5M2, scaling, block, pow2)
+    db = _product(_swap(a), g, _quant.E4M3, _quant.E5M2, scaling, block, pow2, b_tiles=True)
     return da.astype(a.dtype), db.astype(b.dtype)
 
 

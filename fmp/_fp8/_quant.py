@@ -77,8 +77,14 @@ def qdq_first(x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: in
     return dequantize(quantize(xp, s, dtype), s).reshape(bsz, m, -1)[:, :, :k]
 
 
-def qdq_second(x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: int, pow2: bool) -> jax.Array:
-    """Quantise-dequantise the second operand ``x[b, k, n]`` of a product (float32 result)."""
+def qdq_second(
+    x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: int, pow2: bool, tiles: bool = False
+) -> jax.Array:
+    """Quantise-dequantise the second operand ``x[b, k, n]`` of a product (float32 result).
+
+    ``blockwise``: ``block x block`` blocks, or with ``tiles`` (an activation gradient) ``block x 1`` tiles
+    along the contraction ``k``.
+    """
     if scaling == "tensorwise":
         s = scale_from_amax(_amax(x), dtype, pow2=pow2)
         return dequantize(quantize(x, s, dtype), s)
@@ -86,8 +92,9 @@ def qdq_second(x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: i
         s = scale_from_amax(_amax(x, 1), dtype, pow2=pow2)
         return dequantize(quantize(x, s, dtype), s)
     bsz, k, n = x.shape
-    xp = _pad(_pad(x, 1, block), 2, block)
-    xp = xp.reshape(bsz, xp.shape[1] // block, block, xp.shape[2] // block, block)  # block x block
+    cols = 1 if tiles else block
+    xp = _pad(_pad(x, 1, block), 2, cols)
+    xp = xp.reshape(bsz, xp.shape[1] // block, block, xp.shape[2] // cols, cols)
     s = scale_from_amax(_amax(xp, (2, 4)), dtype, pow2=pow2)
     out = dequantize(quantize(xp, s, dtype), s)
-    return out.reshape(bsz, xp.shape[1] * block, xp.shape[3] * block)[:, :k, :n]
+    return out.reshape(bsz, xp.shape[1] * block, xp.shape[3] * cols)[:, :k, :n]

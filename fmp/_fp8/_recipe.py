@@ -25,9 +25,9 @@ class Float8Recipe:
     Args:
       scaling: ``"tensorwise"`` (one scale ``fp8_max / amax`` per tensor, computed from
         the value: current scaling), ``"rowwise"`` (one scale per row of each operand,
-        i.e. per index of its non-contracting dimensions), ``"blockwise"`` (the first
-        operand of every product in ``1 x block_size`` tiles along the contraction, the
-        second in ``block_size x block_size`` blocks), ``"delayed"`` (per-tensor scales
+        i.e. per index of its non-contracting dimensions), ``"blockwise"`` (activations
+        and gradients in ``1 x block_size`` tiles along each product's contraction, the
+        weight in ``block_size x block_size`` blocks), ``"delayed"`` (per-tensor scales
         from an amax history kept in :class:`fmp.Float8State`) or ``"mx"`` (32-element
         MX blocks through ``jax.nn.scaled_dot_general``; GPU only).
       block_size: The tile edge of ``"blockwise"``.
