@@ -85,7 +85,7 @@ class Policy:
       param_dtype: dtype parameters are stored in.
       compute_dtype: dtype matrix products and convolutions run in.
       output_dtype: dtype of the outputs of a policy-wrapped function.
-      fp8: Optional float8 recipe (a :class:`fmp.Float8Recipe` or a scaling name
+      fp8: Optional float8 recipe (a ``fmp.Float8Recipe`` or a scaling name
         such as ``"tensorwise"``): matmuls and convolutions (the rule table's
         ``float8`` category) then run in float8, everything else as without it.
 
@@ -188,7 +188,7 @@ def get_policy(spec: str | Policy) -> Policy:
       and ``fp8=<scaling>`` (``tensorwise``, ``rowwise``, ``blockwise``,
       ``delayed``, ``mx``) for float8 matmuls;
     * ``"mixed_float8"``: the ``mixed_bfloat16`` dtypes with tensorwise float8
-      matmuls (see :class:`fmp.Float8Recipe`).
+      matmuls (see ``fmp.Float8Recipe``).
 
     Unspecified fields: ``params`` defaults to float32, ``compute`` to
     ``params``, and ``output`` to ``params`` (outputs return to the full type).

@@ -82,8 +82,8 @@ def autocast(
         under that policy, e.g. ``{"LayerNorm": "float32"}``. Matching is
         case-sensitive on the scopes opened inside ``fn``; the innermost wins.
         An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
-      fp8_state: For a policy with ``fp8="delayed"``: the :class:`fmp.Float8State`
-        the scales come from (see :func:`fmp.float8_state`). Differentiate with
+      fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
+        the scales come from (see ``fmp.float8_state``). Differentiate with
         respect to it to get the next state's amax history.
 
     Returns:
@@ -141,7 +141,7 @@ def float8_state(
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Callable[..., Float8State]:
-    """Builds the :class:`fmp.Float8State` of ``fn`` under a delayed-scaling policy.
+    """Builds the ``fmp.Float8State`` of ``fn`` under a delayed-scaling policy.
 
     Returns a function of ``fn``'s arguments; it traces and rewrites ``fn``
     (nothing is computed) and returns a state with one empty amax history per

@@ -1,7 +1,7 @@
 """Float8 matmuls and convolutions with a ``custom_vjp``: e4m3 forward, e5m2 output gradient.
 
 Any ``dot_general`` is brought to a batched matmul ``a[b, m, k] @ b[b, k, n]``
-(transposes and reshapes JAX differentiates by itself); :func:`fp8_matmul` then
+(transposes and reshapes JAX differentiates by itself); ``fp8_matmul`` then
 quantises both operands, multiplies the dequantised float32 values (the
 quantise -> convert -> scale -> dot pattern XLA's GPU backend fuses into an fp8
 GEMM; on CPU it is emulated exactly) and casts the product to the output dtype.

@@ -28,7 +28,7 @@ class Float8Recipe:
         i.e. per index of its non-contracting dimensions), ``"blockwise"`` (activations
         and gradients in ``1 x block_size`` tiles along each product's contraction, the
         weight in ``block_size x block_size`` blocks), ``"delayed"`` (per-tensor scales
-        from an amax history kept in :class:`fmp.Float8State`) or ``"mx"`` (32-element
+        from an amax history kept in ``fmp.Float8State``) or ``"mx"`` (32-element
         MX blocks through ``jax.nn.scaled_dot_general``; GPU only).
       block_size: The tile edge of ``"blockwise"``.
       pow2_scales: Round every scale down to a power of two, so that scaling is exact

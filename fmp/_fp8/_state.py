@@ -7,7 +7,7 @@ likewise. The new amaxes reach the state through the gradient: the site's
 by one step with this step's three amaxes (forward operands and output
 gradient) in front. ``jax.grad`` of the loss with respect to the state is
 therefore the next state's history (flax's ``OVERWRITE_WITH_GRADIENT`` idea):
-:meth:`Float8State.update` takes it, inside ``jit``, with no host sync.
+``Float8State.update`` takes it, inside ``jit``, with no host sync.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ class Float8State:
     (``j = 0``), rhs (``j = 1``) and output gradient (``j = 2``). Sites are the
     top-level ``dot_general`` equations of the function in program order;
     ``sites`` names them (primitive and name scope). Build it with
-    :func:`fmp.float8_state`, pass it to ``fmp.autocast(..., fp8_state=state)``
+    ``fmp.float8_state``, pass it to ``fmp.autocast(..., fp8_state=state)``
     inside the loss, differentiate the loss with respect to it, and call
-    :meth:`update` (or ``fmp.optax.float8_update``) with that gradient.
+    ``update`` (or ``fmp.optax.float8_step``) with that gradient.
 
     It is a pytree (``jit``, ``lax.cond``), pickles, and checkpoints with orbax
     or ``flax.serialization`` like any array tree.

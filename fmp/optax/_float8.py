@@ -16,11 +16,11 @@ def float8_step(
     params: Any,
     fp8_state: Float8State,
 ) -> tuple[Any, optax.OptState, Float8State]:
-    """Applies ``optimizer`` to the parameters and takes the next :class:`fmp.Float8State`.
+    """Applies ``optimizer`` to the parameters and takes the next ``fmp.Float8State``.
 
     ``grads`` is ``jax.grad(loss, argnums=(0, 1))(params, fp8_state, ...)``: the
     parameter gradients and the gradient with respect to the state, which
-    carries the new amax histories (see :class:`fmp.Float8State`). The state's
+    carries the new amax histories (see ``fmp.Float8State``). The state's
     gradient never reaches the optimizer.
 
     Returns:
