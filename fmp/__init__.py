@@ -7,10 +7,13 @@ from fmp import _flax_serialization  # noqa: F401 - registers GradScaler with fl
 from fmp._autocast import autocast as autocast
 from fmp._autocast import autocast_jaxpr as autocast_jaxpr
 from fmp._autocast import explain as explain
+from fmp._autocast import float8_state as float8_state
 from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
 from fmp._core._rules import RuleSet as RuleSet
 from fmp._core._scaler_rule import ScaleHealthWarning as ScaleHealthWarning
+from fmp._fp8 import Float8Recipe as Float8Recipe
+from fmp._fp8 import Float8State as Float8State
 from fmp._grad import grad as grad
 from fmp._grad import value_and_grad as value_and_grad
 from fmp._health import check_scaler_health as check_scaler_health
@@ -27,6 +30,8 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "Category",
     "DEFAULT_RULES",
+    "Float8Recipe",
+    "Float8State",
     "GradScaler",
     "Policy",
     "RuleSet",
@@ -37,6 +42,7 @@ __all__ = [
     "cast_tree",
     "check_scaler_health",
     "explain",
+    "float8_state",
     "get_policy",
     "grad",
     "nonfinite_leaves",

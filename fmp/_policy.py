@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmp._core import _dtypes
+from fmp._fp8._recipe import SCALINGS, Float8Recipe, as_recipe
 
 T = TypeVar("T")
 
@@ -17,6 +18,11 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "mixed_bfloat16": ("float32", "bfloat16", "float32"),
     "mixed_float16": ("float32", "float16", "float32"),
     "float32": ("float32", "float32", "float32"),
+}
+
+# presets with a float8 recipe: (param, compute, output, fp8 scaling)
+FP8_PRESETS: dict[str, tuple[str, str, str, str]] = {
+    "mixed_float8": ("float32", "bfloat16", "float32", "tensorwise"),
 }
 
 _KEYS = {
@@ -27,17 +33,19 @@ _KEYS = {
     "c": "compute",
     "output": "output",
     "o": "output",
+    "fp8": "fp8",
 }
 
 _MSG_SPEC_FORMAT = (
     "A policy spec is a preset ({presets}), a single dtype (all three fields), or comma-separated "
     "key=dtype pairs with keys params|p, compute|c, output|o, e.g. 'params=float32,compute=bfloat16,output=float32' "
-    "or 'p=f32,c=bf16,o=f32'. Accepted dtypes: {dtypes}."
+    "or 'p=f32,c=bf16,o=f32' (add fp8=tensorwise|rowwise|blockwise|delayed|mx for float8 matmuls). "
+    "Accepted dtypes: {dtypes}."
 )
 
 
 def _spec_help() -> str:
-    return _MSG_SPEC_FORMAT.format(presets=", ".join(PRESETS), dtypes=_dtypes.accepted_spellings())
+    return _MSG_SPEC_FORMAT.format(presets=", ".join([*PRESETS, *FP8_PRESETS]), dtypes=_dtypes.accepted_spellings())
 
 
 def _to_name(value: Any, field: str) -> str:
@@ -77,6 +85,9 @@ class Policy:
       param_dtype: dtype parameters are stored in.
       compute_dtype: dtype matrix products and convolutions run in.
       output_dtype: dtype of the outputs of a policy-wrapped function.
+      fp8: Optional float8 recipe (a ``fmp.Float8Recipe`` or a scaling name
+        such as ``"tensorwise"``): matmuls and convolutions (the rule table's
+        ``float8`` category) then run in float8, everything else as without it.
 
     Raises:
       ValueError: a field is not a floating dtype.
@@ -88,19 +99,24 @@ class Policy:
       'params=float32,compute=bfloat16,output=float32'
       >>> p.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
       dtype(bfloat16)
+      >>> fmp.Policy("f32", "bf16", "f32", fp8="rowwise") == fmp.get_policy("p=f32,c=bf16,o=f32,fp8=rowwise")
+      True
     """
 
     param_dtype: Any
     compute_dtype: Any
     output_dtype: Any
+    fp8: Float8Recipe | None = None
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             name = _to_name(getattr(self, field), field)
             object.__setattr__(self, field, jnp.dtype(name))
+        object.__setattr__(self, "fp8", as_recipe(self.fp8))
 
     def __str__(self) -> str:
-        return f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+        out = f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
+        return out if self.fp8 is None else f"{out},fp8={self.fp8}"
 
     def with_param_dtype(self, dtype: Any) -> Policy:
         """A copy with another ``param_dtype``."""
@@ -168,7 +184,11 @@ def get_policy(spec: str | Policy) -> Policy:
     * a single dtype such as ``"bf16"``: all three fields;
     * comma-separated ``key=dtype`` pairs, keys ``params``/``param``/``p``,
       ``compute``/``c``, ``output``/``o``; dtypes ``float16``/``f16``/``half``,
-      ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``.
+      ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``;
+      and ``fp8=<scaling>`` (``tensorwise``, ``rowwise``, ``blockwise``,
+      ``delayed``, ``mx``) for float8 matmuls;
+    * ``"mixed_float8"``: the ``mixed_bfloat16`` dtypes with tensorwise float8
+      matmuls (see ``fmp.Float8Recipe``).
 
     Unspecified fields: ``params`` defaults to float32, ``compute`` to
     ``params``, and ``output`` to ``params`` (outputs return to the full type).
@@ -180,7 +200,7 @@ def get_policy(spec: str | Policy) -> Policy:
 
     Examples:
       >>> fmp.get_policy("p=f32,c=bf16")
-      Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'))
+      Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'), fp8=None)
       >>> fmp.get_policy(str(fmp.get_policy("mixed_float16"))) == fmp.get_policy("mixed_float16")
       True
     """
@@ -194,6 +214,9 @@ def get_policy(spec: str | Policy) -> Policy:
     preset = PRESETS.get(text.lower())
     if preset is not None:
         return Policy(*preset)
+    fp8_preset = FP8_PRESETS.get(text.lower())
+    if fp8_preset is not None:
+        return Policy(*fp8_preset[:3], fp8=fp8_preset[3])
     if "=" not in text and "," not in text:
         name = _dtypes.canonical_name(text)
         if name is None:
@@ -212,6 +235,14 @@ def get_policy(spec: str | Policy) -> Policy:
             raise ValueError(f"get_policy(spec): unknown key {key.strip()!r} in {token!r}. {_spec_help()}")
         if field in fields:
             raise ValueError(f"get_policy(spec): {field} is given twice (in {token!r}). {_spec_help()}")
+        if field == "fp8":
+            if value.strip().lower() not in SCALINGS:
+                raise ValueError(
+                    f"get_policy(spec): unknown fp8 scaling {value.strip()!r} in {token!r} "
+                    f"(accepted: {', '.join(SCALINGS)}). {_spec_help()}"
+                )
+            fields[field] = value.strip().lower()
+            continue
         name = _dtypes.canonical_name(value)
         if name is None:
             raise ValueError(f"get_policy(spec): unknown dtype {value.strip()!r} in {token!r}. {_spec_help()}")
@@ -219,4 +250,4 @@ def get_policy(spec: str | Policy) -> Policy:
     param = fields.get("param", "float32")
     compute = fields.get("compute", param)
     output = fields.get("output", param)
-    return Policy(param, compute, output)
+    return Policy(param, compute, output, fp8=fields.get("fp8"))

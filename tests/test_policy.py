@@ -100,7 +100,8 @@ def test_get_policy_returns_policy_unchanged():
     [
         ("", "empty"),
         ("   ", "empty"),
-        ("mixed_float8", "'mixed_float8'"),
+        ("mixed_float4", "'mixed_float4'"),
+        ("fp8=sixbit", "'sixbit'"),
         ("p=f33", "'f33'"),
         ("x=f32", "'x'"),
         ("p:f32", "'p:f32'"),

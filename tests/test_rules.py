@@ -16,7 +16,7 @@ CATS = [Category.LOWER_PRECISION, Category.FLOAT32, Category.PROMOTE, Category.B
 def test_issue_named_jax_primitives():
     r = fmp.DEFAULT_RULES
     for name in ("dot_general", "conv_general_dilated"):
-        assert r.category(name) is Category.LOWER_PRECISION
+        assert r.category(name) is Category.FLOAT8  # lower_precision unless the policy has an fp8 recipe
     for name in (
         "exp log log1p expm1 pow rsqrt erf_inv tan sinh cosh acos asin "
         "reduce_sum reduce_prod cumsum cumprod cumlogsumexp"
@@ -135,7 +135,7 @@ def test_derive_moves_without_mutating():
     assert r.category("dot_general") is Category.FLOAT32
     assert r.category("exp") is Category.UNLISTED and "exp" not in r.jax
     assert r.category("tanh") is Category.LOWER_PRECISION
-    assert base.category("dot_general") is Category.LOWER_PRECISION
+    assert base.category("dot_general") is Category.FLOAT8
     assert base.category("exp") is Category.FLOAT32
     assert r != base and hash(r) != hash(base)
     assert base.derive() == base and hash(base.derive()) == hash(base)
@@ -209,6 +209,6 @@ def test_rule_set_is_static_jit_argument():
 def test_data_module_has_no_duplicates_within_a_device():
     for names in (
         _rules_data.TORCH_CPU_LOWER_PRECISION + _rules_data.TORCH_CPU_FLOAT32 + _rules_data.TORCH_CPU_PROMOTE,
-        _rules_data.JAX_LOWER_PRECISION + _rules_data.JAX_FLOAT32 + _rules_data.JAX_PROMOTE,
+        _rules_data.JAX_LOWER_PRECISION + _rules_data.JAX_FLOAT8 + _rules_data.JAX_FLOAT32 + _rules_data.JAX_PROMOTE,
     ):
         assert len(names) == len(set(names))

@@ -3,5 +3,6 @@
 from fmp._autocast._explain import explain as explain
 from fmp._autocast._transform import autocast_jaxpr as autocast_jaxpr
 from fmp._autocast._wrap import autocast as autocast
+from fmp._autocast._wrap import float8_state as float8_state
 
-__all__ = ["autocast", "autocast_jaxpr", "explain"]
+__all__ = ["autocast", "autocast_jaxpr", "explain", "float8_state"]

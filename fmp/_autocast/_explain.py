@@ -11,6 +11,7 @@ from fmp._autocast._rows import flops
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet
+from fmp._fp8._state import SiteFeeder
 from fmp._policy import Policy
 
 
@@ -52,7 +53,7 @@ def explain(
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
         closed, _, _ = _wrap.trace(fn, args, kwargs)
-        ctx = make_context(config, records=[])
+        ctx = make_context(config, records=[], fp8_sites=SiteFeeder(None))  # delayed sites as with a state
         rewrite_top(closed, ctx)
         return Report(records=tuple(ctx.records or ()), policy=str(config.policy), framework="jax")
 

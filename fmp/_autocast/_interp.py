@@ -95,6 +95,8 @@ class Context:
     # what to do with an equation: higher-order primitive -> handler; every other equation -> leaf
     handlers: Mapping[Any, Handler] = dataclasses.field(default_factory=dict)
     leaf: Leaf | None = None
+    # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._fp8._state)
+    fp8_sites: Any = None
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""

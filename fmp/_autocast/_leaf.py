@@ -17,6 +17,7 @@ import numpy as np
 from jax.extend.core import JaxprEqn, Literal
 from jax.extend.core.primitives import convert_element_type_p
 
+from fmp._autocast._float8 import float8
 from fmp._autocast._interp import Context, _is_castable, aval_of, bind, cast, dtype_name, record_eqn, round_once
 from fmp._core import _dtypes
 from fmp._core._rules import Category, decide
@@ -75,6 +76,11 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
     target = decide(category, compute, strong)
+    if category is Category.FLOAT8 and target is not None:
+        if policy.fp8 is not None and len(floats) == len(invals) == 2:
+            out = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
+            return float8(eqn, invals, ctx, scope, policy, out)
+        category = Category.LOWER_PRECISION  # no fp8 recipe: an ordinary lower_precision op
     rule = category.value
     if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue and _is_epilogue(eqn, cur, ctx, compute):
         target, rule = compute, "epilogue"
@@ -148,7 +154,7 @@ def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) 
         if dtype_name(cur[i].dtype) != compute:
             continue
         _, made = _root(eqn.invars[i], producers)
-        if made is None or ctx.rules.category(made.primitive.name) is not Category.LOWER_PRECISION:
+        if made is None or ctx.rules.category(made.primitive.name) not in (Category.LOWER_PRECISION, Category.FLOAT8):
             continue
         other, _ = _root(eqn.invars[1 - i], producers)
         if int(np.prod(other.aval.shape, dtype=np.int64)) < size and not _depends(other, made.outvars[0], producers):

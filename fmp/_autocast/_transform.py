@@ -36,8 +36,11 @@ def configure(policy: str | Policy, rules: RuleSet | None = None, overrides: Map
     return Config(get_policy(policy), check_rules(rules), check_overrides(overrides))
 
 
-def make_context(config: Config, records: list[OpRecord] | None = None) -> Context:
-    """The context of one rewrite: the configuration plus the interpreter's handlers and leaf rules."""
+def make_context(config: Config, records: list[OpRecord] | None = None, fp8_sites: Any = None) -> Context:
+    """The context of one rewrite: the configuration plus the interpreter's handlers and leaf rules.
+
+    ``fp8_sites`` (an ``fmp._fp8._state.SiteFeeder``) hands delayed-scaling float8 sites their history rows.
+    """
     return Context(
         config.policy,
         config.rules,
@@ -45,6 +48,7 @@ def make_context(config: Config, records: list[OpRecord] | None = None) -> Conte
         records=records,
         handlers=_hops.HANDLERS,
         leaf=_leaf.leaf,
+        fp8_sites=fp8_sites,
     )
 
 

@@ -12,8 +12,9 @@ from jax.extend.core import ClosedJaxpr
 
 from fmp._autocast._checks import check_args, warn_no_effect
 from fmp._autocast._interp import REGION_SCOPE
-from fmp._autocast._transform import configure, make_context, run_top
+from fmp._autocast._transform import configure, make_context, rewrite_top, run_top
 from fmp._core._rules import RuleSet
+from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
 
 
@@ -50,6 +51,7 @@ def autocast(
     rules: RuleSet | None = None,
     enabled: bool = True,
     overrides: Mapping[str, Any] | None = None,
+    fp8_state: Float8State | None = None,
 ) -> Any:
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
@@ -81,6 +83,10 @@ def autocast(
         (flax linen opens one per module) whose name contains the substring run
         under that policy, e.g. ``{"LayerNorm": "float32"}``. Matching is
         case-sensitive on the scopes opened inside ``fn``; the innermost wins.
+        An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
+      fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
+        the scales come from (see [`fmp.float8_state`][fmp.float8_state]). Differentiate with
+        respect to it to get the next state's amax history.
 
     Returns:
       A function with ``fn``'s signature.
@@ -105,7 +111,9 @@ def autocast(
       dtype(bfloat16)
     """
     if fn is None:
-        return functools.partial(autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides)
+        return functools.partial(
+            autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides, fp8_state=fp8_state
+        )
     if not callable(fn):
         raise TypeError(
             f"autocast(fn) expects a callable, got {type(fn).__name__}; "
@@ -114,6 +122,8 @@ def autocast(
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled=...) expects a bool, got {type(enabled).__name__}")
     config = configure(policy, rules, overrides)
+    if fp8_state is not None and not isinstance(fp8_state, Float8State):
+        raise TypeError(f"autocast(fp8_state=...) expects an fmp.Float8State, got {type(fp8_state).__name__}")
     label = policy if isinstance(policy, str) else str(config.policy)
 
     @functools.wraps(fn)
@@ -125,7 +135,41 @@ def autocast(
         closed, arrays, out_tree = trace(fn, args, kwargs)
         warn_no_effect(closed, config.policy, config.overrides, label)
         with jax.named_scope(REGION_SCOPE):
-            outs = run_top(closed, arrays, make_context(config))
+            sites = None if fp8_state is None else SiteFeeder(fp8_state)
+            outs = run_top(closed, arrays, make_context(config, fp8_sites=sites))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
+
+
+def float8_state(
+    fn: Callable[..., Any],
+    policy: str | Policy = "p=f32,c=bf16,o=f32,fp8=delayed",
+    *,
+    rules: RuleSet | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Callable[..., Float8State]:
+    """Builds the ``fmp.Float8State`` of ``fn`` under a delayed-scaling policy.
+
+    Returns a function of ``fn``'s arguments; it traces and rewrites ``fn``
+    (nothing is computed) and returns a state with one empty amax history per
+    top-level float8 ``dot_general`` (matmuls inside ``jit``/``scan`` bodies run
+    tensorwise current scaling and have no entry).
+
+    Examples:
+      >>> f = lambda x, w: jnp.tanh(x @ w) @ w.T
+      >>> st = fmp.float8_state(f)(jnp.ones((2, 3)), jnp.ones((3, 3)))
+      >>> st.amax_history.shape, st.recipe.scaling
+      ((2, 3, 16), 'delayed')
+    """
+    config = configure(policy, rules, overrides)
+    if config.policy.fp8 is None or config.policy.fp8.scaling != "delayed":
+        raise ValueError(f"float8_state needs a policy with fp8=delayed, got {str(config.policy)!r}")
+
+    def build(*args: Any, **kwargs: Any) -> Float8State:
+        closed, _, _ = trace(fn, args, kwargs)
+        sites = SiteFeeder(None)
+        rewrite_top(closed, make_context(config, fp8_sites=sites))
+        return Float8State.zeros(sites.labels, config.policy.fp8)
+
+    return build

@@ -29,6 +29,8 @@ class OpRecord:
       in_before, in_after: Floating input dtype names before / after the rewrite.
       out_before, out_after: Output dtype names before / after the rewrite.
       flops: Estimated floating-point operations (0 when unknown or negligible).
+      detail: Extra facts about the decision; for a ``float8`` row, the scaling
+        recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...).
     """
 
     index: int
@@ -41,6 +43,7 @@ class OpRecord:
     out_before: tuple[str, ...]
     out_after: tuple[str, ...]
     flops: float = 0.0
+    detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -65,6 +68,7 @@ class Report:
         """Totals: FLOPs and their low-precision share, casts inserted, float32 islands."""
         total = sum(r.flops for r in self.records)
         low = sum(r.flops for r in self.records if any(d in LOW for d in r.out_after))
+        fp8 = sum(r.flops for r in self.records if r.category == "float8")
         casts = sum(1 for r in self.records if r.category == "cast")
         islands = 0
         inside = False
@@ -79,6 +83,8 @@ class Report:
             "flops": total,
             "low_precision_flops": low,
             "low_precision_flop_share": (low / total) if total else 0.0,
+            "float8_flops": fp8,
+            "float8_flop_share": (fp8 / total) if total else 0.0,
             "casts_inserted": casts,
             "float32_islands": islands,
         }
@@ -103,7 +109,7 @@ class Report:
 
 
 def _dtypes(names: Iterable[str]) -> str:
-    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "float8_e4m3fn": "e4m3"}
     return ",".join(short.get(n, n) for n in names) or "-"
 
 
@@ -121,7 +127,7 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
         (
             str(r.index),
             r.op,
-            r.category,
+            f"{r.category}:{r.detail}" if r.detail else r.category,
             _dtypes(r.in_before),
             _dtypes(r.in_after),
             _dtypes(r.out_before),
@@ -144,6 +150,8 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
         f"{share:.1%} of flops in low precision, {summary.get('casts_inserted', 0)} casts inserted, "
         f"{islands} float32 island{'' if islands == 1 else 's'}"
     )
+    if summary.get("float8_flops"):
+        out.append(f"{summary['float8_flop_share']:.1%} of flops in float8")
     out += _by_rule(records)
     return "\n".join(out)
 
@@ -152,7 +160,7 @@ def _by_rule(records: Iterable[OpRecord]) -> list[str]:
     """One line per deciding rule: which ops it decided, with counts (``aten::linear x14``)."""
     counts: dict[str, dict[str, int]] = {}
     for r in records:
-        if r.category in ("lower_precision", "float32", "promote"):
+        if r.category in ("lower_precision", "float8", "float32", "promote"):
             per_op = counts.setdefault(r.category, {})
             per_op[r.op] = per_op.get(r.op, 0) + 1
     return [

@@ -20,6 +20,9 @@ class Category(str, enum.Enum):
     * ``BANNED``: the op refuses to run under a float16 policy (torch: under any
       autocast); the error names the safe alternative.
     * ``UNLISTED``: the op runs in the dtypes it is given.
+    * ``FLOAT8``: a matmul or convolution that runs in float8 under a policy with
+      an ``fp8`` recipe (``"mixed_float8"``) and exactly as ``LOWER_PRECISION``
+      under any other policy.
 
     float64 values, integers and booleans are never cast by any category.
 
@@ -35,6 +38,7 @@ class Category(str, enum.Enum):
     PROMOTE = "promote"
     BANNED = "banned"
     UNLISTED = "unlisted"
+    FLOAT8 = "float8"
 
 
 FRAMEWORKS = ("jax", "torch")
@@ -79,7 +83,7 @@ class RuleSet:
       >>> rules.category("dot_general")
       <Category.FLOAT32: 'float32'>
       >>> fmp.DEFAULT_RULES.category("dot_general")
-      <Category.LOWER_PRECISION: 'lower_precision'>
+      <Category.FLOAT8: 'float8'>
       >>> fmp.DEFAULT_RULES.category("aten::softmax.int", framework="torch", device="cuda")
       <Category.FLOAT32: 'float32'>
     """
@@ -285,7 +289,7 @@ def decide(
     eligible = [d for d in float_input_dtypes if d in _dtypes.CASTABLE]
     if not eligible:
         return None
-    if category is Category.LOWER_PRECISION:
+    if category is Category.LOWER_PRECISION or category is Category.FLOAT8:
         return compute_dtype
     if category is Category.FLOAT32:
         return "float32"
@@ -297,6 +301,7 @@ def decide(
 DEFAULT_RULES = RuleSet(
     jax=_table(
         lower_precision=data.JAX_LOWER_PRECISION,
+        float8=data.JAX_FLOAT8,
         float32=data.JAX_FLOAT32,
         promote=data.JAX_PROMOTE,
         banned=data.JAX_BANNED,
@@ -324,15 +329,16 @@ DEFAULT_RULES = RuleSet(
 )
 """The rule table fmp ships and uses by default: one [`RuleSet`][fmp.RuleSet] for both frameworks.
 
-Its JAX table says which primitives run in the compute dtype (``dot_general``, convolutions), which in
-float32 (exponentials, logarithms, powers, reductions) and which in their widest input; its torch tables are
-torch 2.13's CPU and CUDA autocast op lists.
+Its JAX table says which primitives run in the compute dtype (``float8``: ``dot_general`` and convolutions,
+which run in float8 under a policy with an fp8 recipe and in the compute dtype otherwise), which in float32
+(exponentials, logarithms, powers, reductions, linear algebra, FFT) and which in their widest input; its torch
+tables are torch 2.13's CPU and CUDA autocast op lists.
 
 Examples:
   >>> fmp.DEFAULT_RULES.category("exp")
   <Category.FLOAT32: 'float32'>
   >>> fmp.DEFAULT_RULES.category("dot_general")
-  <Category.LOWER_PRECISION: 'lower_precision'>
+  <Category.FLOAT8: 'float8'>
   >>> fmp.DEFAULT_RULES.category("aten::mm", framework="torch", device="cpu")
   <Category.LOWER_PRECISION: 'lower_precision'>
 """

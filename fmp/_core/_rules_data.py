@@ -19,10 +19,12 @@ elementwise ops promote to their widest floating input; everything else
 types it is given.
 """
 
-JAX_LOWER_PRECISION = (
+JAX_LOWER_PRECISION = ("ragged_dot_general",)
+
+# lower_precision ops that run in float8 under a policy with an fp8 recipe (lower_precision otherwise)
+JAX_FLOAT8 = (
     "conv_general_dilated",
     "dot_general",
-    "ragged_dot_general",
 )
 
 JAX_FLOAT32 = (

@@ -10,6 +10,7 @@ require("optax", "fmp.optax")  # a missing optax raises an error that says how t
 
 from fmp.optax._accumulate import AccumulateState as AccumulateState
 from fmp.optax._accumulate import accumulate as accumulate
+from fmp.optax._float8 import float8_step as float8_step
 from fmp.optax._loss_scaled import LossScaledState as LossScaledState
 from fmp.optax._loss_scaled import SkipNonfiniteState as SkipNonfiniteState
 from fmp.optax._loss_scaled import current_scaler as current_scaler
@@ -27,6 +28,7 @@ __all__ = [
     "SkipNonfiniteState",
     "accumulate",
     "current_scaler",
+    "float8_step",
     "loss_scaled",
     "master_params",
     "master_weights",

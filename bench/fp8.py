@@ -1,0 +1,92 @@
+"""Benchmark: float8 recipes against bfloat16 autocast on the small pre-LN transformer of ``bench/autocast.py``.
+
+Run ``python bench/fp8.py`` from the repository root; it prints one table with, per policy, the
+trace+lower and compile times of the train step (``value_and_grad``), its compiled temp and argument
+memory (``memory_analysis``), the bytes saved for the backward pass, and the median step time. On a CPU
+the float8 matmuls are emulated (quantise, dequantise to float32, float32 matmul): the step time is the
+cost of the emulation, not a float8 speed. On a GPU it also times one large matmul in bfloat16 and in
+float8 (``--gpu-matmul``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fmp  # noqa: E402
+from bench.autocast import init_params, loss, run_all  # noqa: E402
+from fmp._fp8._dot import fp8_dot_general  # noqa: E402
+
+POLICIES = {
+    "float32": None,
+    "mixed_bfloat16": "mixed_bfloat16",
+    "fp8 tensorwise": "mixed_float8",
+    "fp8 rowwise": "p=f32,c=bf16,o=f32,fp8=rowwise",
+    "fp8 blockwise": "p=f32,c=bf16,o=f32,fp8=blockwise",
+}
+
+
+def variants() -> dict:
+    return {name: (loss if pol is None else fmp.autocast(loss, pol)) for name, pol in POLICIES.items()}
+
+
+def gpu_matmul(n: int = 8192, repeats: int = 20) -> None:
+    """bf16 vs float8 (tensorwise) throughput of one n x n x n matmul; GPU only."""
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    dn = (((1,), (0,)), ((), ()))
+    fns = {
+        "bf16": jax.jit(lambda a, b: jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)),
+        "fp8 tensorwise": jax.jit(lambda a, b: fp8_dot_general(a, b, dn, fmp.Float8Recipe(), jnp.bfloat16)),
+    }
+    for name, f in fns.items():
+        jax.block_until_ready(f(x, w))
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            out = f(x, w)
+        jax.block_until_ready(out)
+        dt = (time.perf_counter() - t0) / repeats
+        print(f"{name}: {2 * n**3 / dt / 1e12:.1f} TFLOP/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2, help="trace+compile rounds per variant (min is reported)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--gpu-matmul", action="store_true")
+    args = ap.parse_args()
+    params = init_params(jax.random.key(0), args.dim)
+    x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.dim))
+    rows = run_all(variants(), params, x, args.rounds, args.repeats)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, B={args.batch} T={args.seq} D={args.dim}")
+    cols = ["trace_lower_s", "compile_s", "temp_MB", "residual_MB", "step_ms"]
+    print("| policy | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for name, r in rows.items():
+        print(f"| {name} | " + " | ".join(f"{r[c]:.3g}" for c in cols) + " |")
+    bf = rows["mixed_bfloat16"]
+    for name, r in rows.items():
+        if name.startswith("fp8"):
+            print(
+                f"{name} / mixed_bfloat16: trace+lower {r['trace_lower_s'] / bf['trace_lower_s']:.2f}x, "
+                f"compile {r['compile_s'] / bf['compile_s']:.2f}x, step {r['step_ms'] / bf['step_ms']:.2f}x"
+            )
+    if args.gpu_matmul:
+        if jax.default_backend() != "gpu":
+            print("--gpu-matmul: no GPU here, skipped (float8 matmuls on a CPU are emulated)")
+        else:
+            gpu_matmul()
+
+
+if __name__ == "__main__":
+    main()

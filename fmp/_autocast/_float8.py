@@ -1,0 +1,51 @@
+"""The float8 rewrite of one matmul or convolution, under a policy that carries an fp8 recipe.
+
+The rule table puts ``dot_general`` and ``conv_general_dilated`` in the ``float8`` category; under a policy
+without a recipe they are ordinary lower-precision ops (``_leaf``), under one with a recipe ``_leaf`` hands
+them here. The quantisation math and the scaling state live in ``fmp._fp8``; this module only decides the
+output dtype, picks a delayed-scaling history row, binds, and records the explain row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import JaxprEqn
+
+from fmp._autocast import _rows
+from fmp._autocast._interp import Context, _float_names, aval_of
+from fmp._core._rules import Category
+from fmp._fp8 import _bind as _fp8
+from fmp._policy import Policy
+
+
+def float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy, out_dtype: Any) -> list[Any]:
+    """A float8-category op quantised from its inputs as they come (a float32 parameter from float32).
+
+    ``out_dtype`` is the compute dtype (or the op's preferred element type mapped to it); a recipe with
+    ``output="float32"`` overrides it. Delayed scaling takes one history row per top-level ``dot_general``
+    (a loop body would share one row between iterations, so those run tensorwise and say so).
+    """
+    recipe = policy.fp8
+    if recipe.output == "float32":
+        out_dtype = np.dtype(jnp.float32)
+    site = recipe.scaling == "delayed" and ctx.fp8_sites is not None and len(ctx.memos) == 1
+    site = site and eqn.primitive.name == "dot_general"
+    history = ctx.fp8_sites.take(f"{eqn.primitive.name}@{scope}") if site else None
+    outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history)]
+    if ctx.records is not None:
+        ctx.record(
+            op=eqn.primitive.name,
+            source=_rows.source(eqn),
+            scope=scope,
+            category=Category.FLOAT8.value,
+            in_before=_float_names([v.aval for v in eqn.invars]),
+            in_after=("float8_e4m3fn", "float8_e4m3fn"),
+            out_before=_float_names([v.aval for v in eqn.outvars]),
+            out_after=_float_names([aval_of(x) for x in outs]),
+            flops=_rows.flops(eqn),
+            detail=_fp8.scaling_label(recipe, eqn.primitive.name, site),
+        )
+    return outs

@@ -1,0 +1,11 @@
+"""Float8 matmuls: quantisation math, scaling recipes and the delayed-scaling state.
+
+Readable alone: imports only JAX and ``fmp._core``. The autocast interpreter
+calls ``fmp._fp8._bind.bind_float8`` for equations in the rule table's
+``float8`` category under a policy with an fp8 recipe.
+"""
+
+from fmp._fp8._recipe import Float8Recipe as Float8Recipe
+from fmp._fp8._state import Float8State as Float8State
+
+__all__ = ["Float8Recipe", "Float8State"]

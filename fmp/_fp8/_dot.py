@@ -1,0 +1,161 @@
+"""Float8 matmuls and convolutions with a ``custom_vjp``: e4m3 forward, e5m2 output gradient.
+
+Any ``dot_general`` is brought to a batched matmul ``a[b, m, k] @ b[b, k, n]``
+(transposes and reshapes JAX differentiates by itself); ``fp8_matmul`` then
+quantises both operands, multiplies the dequantised float32 values (the
+quantise -> convert -> scale -> dot pattern XLA's GPU backend fuses into an fp8
+GEMM; on CPU it is emulated exactly) and casts the product to the output dtype.
+Its backward recomputes the quantisation of the saved operands for the new
+contraction and quantises the output gradient to ``float8_e5m2`` for both
+products: ``da = g @ b^T`` and ``db = a^T @ g``. Block-wise, activations and
+gradients get ``1 x 128`` tiles along each product's contraction and weights
+``128 x 128`` blocks, as DeepSeek-V3 trains.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fmp._fp8 import _quant
+from fmp._fp8._recipe import Float8Recipe
+
+_MSG_MX_BACKEND = (
+    "Float8Recipe('mx') runs 32-element MX blocks through jax.nn.scaled_dot_general, which has no lowering on "
+    "the {backend!r} backend. Use it on a GPU that supports MX (Blackwell), or pick 'blockwise', 'rowwise' or "
+    "'tensorwise', which run anywhere (emulated on CPU)."
+)
+
+F32 = jnp.dtype(jnp.float32)
+
+
+def _product(
+    a: jax.Array, b: jax.Array, da: Any, db: Any, scaling: str, block: int, pow2: bool, b_tiles: bool = False
+) -> jax.Array:
+    """``qdq(a) @ qdq(b)`` in float32 for ``a[b, m, k]``, ``b[b, k, n]``; ``b_tiles``: ``b`` is a gradient."""
+    qa = _quant.qdq_first(a, da, scaling, block, pow2)
+    qb = _quant.qdq_second(b, db, scaling, block, pow2, tiles=b_tiles)
+    dims = (((2,), (1,)), ((0,), (0,)))
+    return jax.lax.dot_general(qa, qb, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+
+
+def _swap(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def fp8_matmul(a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any) -> jax.Array:
+    """``a[b, m, k] @ b[b, k, n]`` with float8 operands, result in ``out_dtype``."""
+    return _product(a, b, _quant.E4M3, _quant.E4M3, scaling, block, pow2).astype(out_dtype)
+
+
+def _fwd(a, b, scaling, block, pow2, out_dtype):
+    return fp8_matmul(a, b, scaling, block, pow2, out_dtype), (a, b)
+
+
+def _bwd(scaling, block, pow2, out_dtype, res, g):
+    a, b = res
+    da = _product(g, _swap(b), _quant.E5M2, _quant.E4M3, scaling, block, pow2)
+    db = _product(_swap(a), g, _quant.E4M3, _quant.E5M2, scaling, block, pow2, b_tiles=True)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+fp8_matmul.defvjp(_fwd, _bwd)
+
+
+def _ints(dims: Sequence[int]) -> list[int]:
+    return [int(d) for d in dims]
+
+
+def canonical(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any) -> tuple:
+    """Permutations and shapes bringing a ``dot_general`` to ``[b, m, k] @ [b, k, n]``."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = _ints(lc), _ints(rc), _ints(lb), _ints(rb)
+    lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+    bshape = [lhs_shape[d] for d in lb]
+    mshape = [lhs_shape[d] for d in lf]
+    nshape = [rhs_shape[d] for d in rf]
+    k = math.prod(lhs_shape[d] for d in lc)
+    return (
+        lb + lf + lc,
+        rb + rc + rf,
+        (math.prod(bshape), math.prod(mshape), k),
+        (
+            math.prod(bshape),
+            k,
+            math.prod(nshape),
+        ),
+        bshape + mshape + nshape,
+    )
+
+
+def fp8_dot_general(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, recipe: Float8Recipe, out_dtype: Any
+) -> jax.Array:
+    """``lax.dot_general(lhs, rhs, dimension_numbers)`` in float8 under ``recipe``, result in ``out_dtype``.
+
+    Examples:
+      >>> from fmp._fp8._dot import fp8_dot_general
+      >>> x, w = jnp.ones((4, 8)), jnp.full((8, 2), 0.5)
+      >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fmp.Float8Recipe(), jnp.float32)[0]
+      Array([4., 4.], dtype=float32)
+    """
+    if recipe.scaling == "mx":
+        return _mx_dot(lhs, rhs, dimension_numbers, out_dtype)
+    if recipe.scaling == "delayed":
+        raise ValueError("delayed scaling reads its scales from an fmp.Float8State; use fmp._fp8._state.delayed_dot")
+    lperm, rperm, ashape, bshape, oshape = canonical(lhs.shape, rhs.shape, dimension_numbers)
+    a = jnp.transpose(lhs, lperm).reshape(ashape)
+    b = jnp.transpose(rhs, rperm).reshape(bshape)
+    out = fp8_matmul(a, b, recipe.scaling, recipe.block_size, recipe.pow2_scales, jnp.dtype(out_dtype))
+    return out.reshape(oshape)
+
+
+def _mx_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: Any) -> jax.Array:
+    backend = jax.default_backend()
+    if backend != "gpu":
+        raise ValueError(_MSG_MX_BACKEND.format(backend=backend))
+    return jax.nn.scaled_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.dtype(out_dtype))
+
+
+def fp8_conv(
+    conv: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, w: jax.Array, recipe: Float8Recipe, out_dtype: Any
+) -> jax.Array:
+    """``conv(x, w)`` with tensorwise float8 operands (e4m3) and output gradient (e5m2).
+
+    ``conv`` must compute in float32 (``preferred_element_type=float32``). Every
+    recipe quantises convolutions per tensor (a convolution has no single
+    contraction axis to tile).
+    """
+    return _conv(conv, recipe.pow2_scales, jnp.dtype(out_dtype), x, w)
+
+
+def _qdq_tensor(x: jax.Array, dtype: Any, pow2: bool) -> jax.Array:
+    s = _quant.scale_from_amax(jnp.max(jnp.abs(x.astype(F32))), dtype, pow2=pow2)
+    return _quant.dequantize(_quant.quantize(x, s, dtype), s)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _conv(conv, pow2, out_dtype, x, w):
+    return conv(_qdq_tensor(x, _quant.E4M3, pow2), _qdq_tensor(w, _quant.E4M3, pow2)).astype(out_dtype)
+
+
+def _conv_fwd(conv, pow2, out_dtype, x, w):
+    return _conv(conv, pow2, out_dtype, x, w), (x, w)
+
+
+def _conv_bwd(conv, pow2, out_dtype, res, g):
+    x, w = res
+    qx, qw = _qdq_tensor(x, _quant.E4M3, pow2), _qdq_tensor(w, _quant.E4M3, pow2)
+    _, vjp = jax.vjp(conv, qx, qw)
+    dx, dw = vjp(_qdq_tensor(g, _quant.E5M2, pow2))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)

@@ -1,0 +1,100 @@
+"""Float8 quantisation: scales from amax, the saturating cast, and per-granularity scale layouts.
+
+Every function here works on the canonical batched-matmul operands ``a[b, m, k]``
+(first operand, contraction last) and ``b[b, k, n]`` (second operand, contraction
+in the middle); ``_dot.py`` brings any ``dot_general`` to that form.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def fp8_max(dtype: jax.typing.DTypeLike) -> float:
+    """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool = False, margin: int = 0) -> jax.Array:
+    """``fp8_max / amax`` in float32; 1 where ``amax`` is zero or not finite, never inf.
+
+    A tiny ``amax`` gives the largest finite float32 instead of ``inf``; ``pow2``
+    rounds down to a power of two; ``margin`` divides by ``2**margin``.
+    """
+    amax = amax.astype(jnp.float32)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    scale = jnp.where(ok, jnp.float32(fp8_max(dtype)) / jnp.where(ok, amax, 1), 1)
+    scale = jnp.minimum(scale, jnp.float32(_F32_MAX))
+    if margin:
+        scale = scale / jnp.float32(2.0**margin)
+    if pow2:  # 2**(e-1) for scale = m * 2**e, m in [0.5, 1): exact, unlike exp2(floor(log2(.)))
+        _, e = jnp.frexp(scale)
+        scale = jnp.ldexp(jnp.ones_like(scale), e - 1)
+    return scale.astype(jnp.float32)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
+    """``x * scale`` in float32, saturated to the float8 range, cast to ``dtype``."""
+    top = jnp.float32(fp8_max(dtype))
+    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """``q * (1 / scale)`` in float32 (the inverse scale is what a float8 GEMM takes; XLA would rewrite
+    a division by a broadcast scale into this product anyway, so writing it out keeps jit and eager equal)."""
+    return q.astype(jnp.float32) * (1 / scale)
+
+
+def _amax(x: jax.Array, axis: object = None) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
+
+
+def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def qdq_first(x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: int, pow2: bool) -> jax.Array:
+    """Quantise-dequantise the first operand ``x[b, m, k]`` of a product (float32 result)."""
+    if scaling == "tensorwise":
+        s = scale_from_amax(_amax(x), dtype, pow2=pow2)
+        return dequantize(quantize(x, s, dtype), s)
+    if scaling == "rowwise":
+        s = scale_from_amax(_amax(x, 2), dtype, pow2=pow2)
+        return dequantize(quantize(x, s, dtype), s)
+    bsz, m, k = x.shape
+    xp = _pad(x, 2, block).reshape(bsz, m, -1, block)  # 1 x block tiles along k
+    s = scale_from_amax(_amax(xp, 3), dtype, pow2=pow2)
+    return dequantize(quantize(xp, s, dtype), s).reshape(bsz, m, -1)[:, :, :k]
+
+
+def qdq_second(
+    x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: int, pow2: bool, tiles: bool = False
+) -> jax.Array:
+    """Quantise-dequantise the second operand ``x[b, k, n]`` of a product (float32 result).
+
+    ``blockwise``: ``block x block`` blocks, or with ``tiles`` (an activation gradient) ``block x 1`` tiles
+    along the contraction ``k``.
+    """
+    if scaling == "tensorwise":
+        s = scale_from_amax(_amax(x), dtype, pow2=pow2)
+        return dequantize(quantize(x, s, dtype), s)
+    if scaling == "rowwise":  # one scale per output column n: the amax runs over the contraction k
+        s = scale_from_amax(_amax(x, 1), dtype, pow2=pow2)
+        return dequantize(quantize(x, s, dtype), s)
+    bsz, k, n = x.shape
+    cols = 1 if tiles else block
+    xp = _pad(_pad(x, 1, block), 2, cols)
+    xp = xp.reshape(bsz, xp.shape[1] // block, block, xp.shape[2] // cols, cols)
+    s = scale_from_amax(_amax(xp, (2, 4)), dtype, pow2=pow2)
+    out = dequantize(quantize(xp, s, dtype), s)
+    return out.reshape(bsz, xp.shape[1] * block, xp.shape[3] * cols)[:, :k, :n]

@@ -1,0 +1,172 @@
+"""Delayed scaling: ``Float8State``, an immutable pytree of amax histories, one row per matmul site.
+
+The forward scales of a site come from the largest amax in its history (the
+current amax while the history is still empty), the output gradient's scale
+likewise. The new amaxes reach the state through the gradient: the site's
+``custom_vjp`` returns, as the "cotangent" of its history, the history rolled
+by one step with this step's three amaxes (forward operands and output
+gradient) in front. ``jax.grad`` of the loss with respect to the state is
+therefore the next state's history (flax's ``OVERWRITE_WITH_GRADIENT`` idea):
+``Float8State.update`` takes it, inside ``jit``, with no host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fmp._fp8 import _dot, _quant
+from fmp._fp8._recipe import Float8Recipe
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["amax_history"], meta_fields=["sites", "recipe"])
+@dataclasses.dataclass(frozen=True)
+class Float8State:
+    """Amax histories of the float8 matmul sites of one function (delayed scaling).
+
+    ``amax_history[i, j, t]`` is site ``i``'s amax ``t`` steps ago for its lhs
+    (``j = 0``), rhs (``j = 1``) and output gradient (``j = 2``). Sites are the
+    top-level ``dot_general`` equations of the function in program order;
+    ``sites`` names them (primitive and name scope). Build it with
+    ``fmp.float8_state``, pass it to ``fmp.autocast(..., fp8_state=state)``
+    inside the loss, differentiate the loss with respect to it, and call
+    ``update`` (or ``fmp.optax.float8_step``) with that gradient.
+
+    It is a pytree (``jit``, ``lax.cond``), pickles, and checkpoints with orbax
+    or ``flax.serialization`` like any array tree.
+
+    Examples:
+      >>> st = fmp.Float8State.zeros(["dot_general@dense"], fmp.Float8Recipe("delayed", history_len=4))
+      >>> st.amax_history.shape
+      (1, 3, 4)
+    """
+
+    amax_history: jax.Array
+    sites: tuple[str, ...] = ()
+    recipe: Float8Recipe = Float8Recipe("delayed")
+
+    @classmethod
+    def zeros(cls, sites: Any, recipe: Float8Recipe) -> Float8State:
+        """An empty history (every step then starts from current scaling) for ``sites``."""
+        sites = tuple(str(s) for s in sites)
+        if recipe.scaling != "delayed":
+            raise ValueError(f"Float8State needs a 'delayed' recipe, got {recipe.scaling!r}")
+        return cls(jnp.zeros((len(sites), 3, recipe.history_len), _F32), sites, recipe)
+
+    def update(self, history_grad: Float8State) -> Float8State:
+        """The next state from the gradient of the loss with respect to this one.
+
+        Sites the step did not run (their gradient is all zero) keep their history.
+        """
+        new = history_grad.amax_history.astype(_F32)
+        ran = jnp.any(new != 0, axis=(1, 2), keepdims=True)
+        return dataclasses.replace(self, amax_history=jnp.where(ran, new, self.amax_history))
+
+    def scales(self) -> jax.Array:
+        """The current scales ``[sites, 3]`` (lhs, rhs, gradient); 1 where the history is empty."""
+        amax = jnp.max(self.amax_history, axis=-1)
+        kinds = (_quant.E4M3, _quant.E4M3, _quant.E5M2)
+        return jnp.stack(
+            [
+                _quant.scale_from_amax(amax[:, j], d, pow2=self.recipe.pow2_scales, margin=self.recipe.margin)
+                for j, d in enumerate(kinds)
+            ],
+            axis=1,
+        )
+
+    @staticmethod
+    def register_flax_serialization() -> None:
+        """Registers ``Float8State`` with ``flax.serialization`` (done at import when flax is loaded)."""
+        from flax import serialization
+
+        serialization.register_serialization_state(
+            Float8State,
+            lambda s: {"amax_history": s.amax_history},
+            lambda t, d: dataclasses.replace(t, amax_history=jnp.asarray(d["amax_history"], _F32)),
+            override=True,
+        )
+
+
+class SiteFeeder:
+    """Hands the interpreter one history row per top-level float8 site, in program order."""
+
+    def __init__(self, state: Float8State | None) -> None:
+        self.state = state
+        self.labels: list[str] = []
+
+    def take(self, label: str) -> jax.Array | None:
+        i = len(self.labels)
+        self.labels.append(label)
+        if self.state is None:
+            return None
+        n = self.state.amax_history.shape[0]
+        if i >= n:
+            raise ValueError(
+                f"fp8_state has {n} sites but the function runs more float8 matmuls (site {i}: {label}). "
+                "Build the state from the same function and arguments with fmp.float8_state."
+            )
+        return self.state.amax_history[i]
+
+
+def _current_or_history(x: jax.Array, hist_row: jax.Array, dtype: Any, recipe: Float8Recipe) -> jax.Array:
+    now = jnp.max(jnp.abs(x.astype(_F32)))
+    past = jnp.max(hist_row)
+    amax = jnp.where(past > 0, past, now)
+    return _quant.scale_from_amax(amax, dtype, pow2=recipe.pow2_scales, margin=recipe.margin), now
+
+
+def _qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    return _quant.dequantize(_quant.quantize(x, scale, dtype), scale)
+
+
+def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+    dims = (((2,), (1,)), ((0,), (0,)))
+    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _delayed_matmul(a, b, hist, recipe, out_dtype):
+    sa, _ = _current_or_history(a, hist[0], _quant.E4M3, recipe)
+    sb, _ = _current_or_history(b, hist[1], _quant.E4M3, recipe)
+    return _mm(_qdq(a, sa, _quant.E4M3), _qdq(b, sb, _quant.E4M3)).astype(out_dtype)
+
+
+def _delayed_fwd(a, b, hist, recipe, out_dtype):
+    sa, amax_a = _current_or_history(a, hist[0], _quant.E4M3, recipe)
+    sb, amax_b = _current_or_history(b, hist[1], _quant.E4M3, recipe)
+    out = _mm(_qdq(a, sa, _quant.E4M3), _qdq(b, sb, _quant.E4M3)).astype(out_dtype)
+    return out, (a, b, hist, sa, sb, amax_a, amax_b)
+
+
+def _delayed_bwd(recipe, out_dtype, res, g):
+    a, b, hist, sa, sb, amax_a, amax_b = res
+    sg, amax_g = _current_or_history(g, hist[2], _quant.E5M2, recipe)
+    qg = _qdq(g, sg, _quant.E5M2)
+    da = _mm(qg, jnp.swapaxes(_qdq(b, sb, _quant.E4M3), 1, 2))
+    db = _mm(jnp.swapaxes(_qdq(a, sa, _quant.E4M3), 1, 2), qg)
+    new = jnp.roll(hist, 1, axis=-1).at[:, 0].set(jnp.stack([amax_a, amax_b, amax_g]))
+    return da.astype(a.dtype), db.astype(b.dtype), new
+
+
+_delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def delayed_dot_general(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, history: jax.Array, recipe: Float8Recipe, out_dtype: Any
+) -> jax.Array:
+    """``dot_general`` in float8 with per-tensor scales from ``history`` (``[3, history_len]``)."""
+    lperm, rperm, ashape, bshape, oshape = _dot.canonical(lhs.shape, rhs.shape, dimension_numbers)
+    a = jnp.transpose(lhs, lperm).reshape(ashape)
+    b = jnp.transpose(rhs, rperm).reshape(bshape)
+    return _delayed_matmul(a, b, history, recipe, jnp.dtype(out_dtype)).reshape(oshape)
+
+
+if "flax.serialization" in sys.modules:  # pragma: no cover - depends on import order
+    Float8State.register_flax_serialization()
