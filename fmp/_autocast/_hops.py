@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
 
-from fmp._autocast import _jax_internals
+from fmp._autocast import _hops_calls, _jax_internals
 from fmp._autocast._transform import (
     Context,
     Handler,
@@ -200,3 +200,4 @@ HANDLERS: dict[Any, Handler] = {
     custom_vjp_call_p: _custom,
     _jax_internals.shard_map_p: _shard_map,
 }
+HANDLERS.update(_hops_calls.handlers())  # linear solves, calls, composites; refused primitives raise
