@@ -70,7 +70,8 @@ def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
 
 
 def bind_closed_call(closed: ClosedJaxpr, invals: list[Any]) -> list[Any]:
-    return list(_jax_internals.closed_call_p.bind(*invals, call_jaxpr=closed))
+    prim = _jax_internals.closed_call_p
+    return list(prim.bind(*invals, **prim.get_bind_params({"call_jaxpr": closed})))
 
 
 def _composite(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
