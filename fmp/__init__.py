@@ -5,6 +5,7 @@
 
 from fmp._autocast import autocast as autocast
 from fmp._autocast import autocast_jaxpr as autocast_jaxpr
+from fmp._autocast import bwd_as_written as bwd_as_written
 from fmp._autocast import explain as explain
 from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
@@ -33,6 +34,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "autocast_jaxpr",
+    "bwd_as_written",
     "cast_tree",
     "check_scaler_health",
     "explain",

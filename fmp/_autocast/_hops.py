@@ -9,6 +9,8 @@ so that its (unchanged) derivative rules still type-check.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -161,12 +163,14 @@ def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
 
 
 def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    """custom_jvp_call / custom_vjp_call: the primal body and the jvp / fwd rule are rewritten.
+    """custom_jvp_call / custom_vjp_call: the primal body, the jvp / fwd rule and the bwd rule are rewritten.
 
     The rules themselves are kept (a custom derivative still applies), and the
-    call's inputs and outputs, the jvp rule's tangents and the fwd rule's
-    residuals keep the dtypes of the original program, which the user's rules
-    were written for. The bwd rule of a custom_vjp runs as written.
+    call's inputs and outputs, the jvp rule's tangents, the fwd rule's
+    residuals and the bwd rule's cotangents keep the dtypes of the original
+    program, which the user's rules were written for. The bwd rule of a
+    custom_vjp runs under the forward's policy (as ``torch.amp.custom_bwd``
+    does), unless it was marked with :func:`fmp.bwd_as_written`.
     """
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
     invals = _pin(invals, closed.in_avals, ctx)
@@ -178,7 +182,34 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
 
     thunk = "jvp_jaxpr_fun" if eqn.primitive is custom_jvp_call_p else "fwd_jaxpr_thunk"
     params[thunk] = _jax_internals.rewrap_rule_thunk(params[thunk], rewrite)
+    if eqn.primitive is custom_vjp_call_p and not getattr(
+        _jax_internals.user_function(params["bwd"]), BWD_AS_WRITTEN, False
+    ):
+        params["bwd"] = _jax_internals.rewrap_bwd(params["bwd"], functools.partial(_run_bwd, ctx=ctx, scope=scope))
     return bind(eqn, invals, params)
+
+
+# The attribute fmp.bwd_as_written sets on a custom_vjp bwd rule.
+BWD_AS_WRITTEN = "__fmp_bwd_as_written__"
+
+
+def _run_bwd(call: Any, args: Any, ctx: Context, scope: str) -> list[Any]:
+    """Runs a custom_vjp bwd rule under ``ctx``'s policy; its outputs keep the dtypes the rule gives them."""
+    if not all(isinstance(a, jax.Array) for a in args):  # symbolic zeros: run it as written
+        return list(call(*args))
+    slots: list[Any] = []  # the bwd's outputs that are not arrays (symbolic zeros), by position
+
+    def flat(*xs: Any) -> list[Any]:
+        outs = list(call(*xs))
+        slots[:] = [None if isinstance(o, jax.Array) else o for o in outs]
+        return [o for o in outs if isinstance(o, jax.Array)]
+
+    closed = _jax_internals.trace_to_closed_jaxpr(flat, [aval_of(a) for a in args], "fmp.autocast bwd")
+    sub = dataclasses.replace(ctx, records=None, memos=[], producers=[])
+    vals = eval_jaxpr(closed.jaxpr, closed.consts, list(args), sub, scope)
+    vals = [cast(v, a.dtype, sub) for v, a in zip(vals, closed.out_avals, strict=True)]
+    it = iter(vals)
+    return [next(it) if s is None else s for s in slots]
 
 
 def _shard_map(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

@@ -31,6 +31,7 @@ __all__ = [
     "bind_shard_map",
     "closed_call_p",
     "primitives_by_name",
+    "rewrap_bwd",
     "rewrap_rule_thunk",
     "shard_map_p",
     "trace_to_closed_jaxpr",
@@ -118,3 +119,18 @@ def primitives_by_name() -> dict[str, Primitive]:
             if isinstance(value, Primitive):
                 out.setdefault(value.name, value)
     return out
+
+
+def rewrap_bwd(bwd: Any, run: Callable[[Callable[..., Any], Sequence[Any]], list[Any]]) -> Any:
+    """Wraps a custom_vjp ``bwd`` (a ``WrappedFun``: flat residuals and cotangents -> flat cotangents, which
+    may hold symbolic zeros) so that ``run(call, args)`` evaluates it; ``call(*args)`` calls the original."""
+
+    def wrapped(*args: Any) -> Any:
+        return run(bwd.call_wrapped, args)
+
+    return lu.wrap_init(wrapped, debug_info=bwd.debug_info)
+
+
+def user_function(wrapped: Any) -> Any:
+    """The user's function inside a ``WrappedFun`` (the custom_vjp bwd rule as written)."""
+    return getattr(wrapped, "f", None)

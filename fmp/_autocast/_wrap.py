@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
+from fmp._autocast._hops import BWD_AS_WRITTEN
 from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
 from fmp._core._rules import RuleSet
 from fmp._policy import Policy, get_policy
@@ -121,3 +122,34 @@ def autocast(
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
+
+
+def bwd_as_written(bwd: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a ``jax.custom_vjp`` backward rule to run exactly as written under autocast.
+
+    By default :func:`fmp.autocast` runs a custom_vjp's backward rule under the
+    policy of its forward call, as ``torch.amp.custom_bwd`` does for a custom
+    autograd Function: a matmul in the rule runs in the compute dtype, an
+    ``exp`` in float32, and the cotangents it returns keep the dtypes the rule
+    gives them. A rule marked with this decorator runs as written instead
+    (every op in the dtypes it is given), e.g. a hand-tuned rule that manages
+    its own precision.
+
+    Args:
+      bwd: The backward rule passed to ``defvjp``.
+
+    Returns:
+      ``bwd`` itself, marked.
+
+    Examples:
+      >>> @jax.custom_vjp
+      ... def scale(x):
+      ...     return 2.0 * x
+      >>> scale.defvjp(lambda x: (2.0 * x, None), fmp.bwd_as_written(lambda _, g: (2.0 * g,)))
+      >>> jax.grad(lambda x: fmp.autocast(scale)(x))(1.0)
+      Array(2., dtype=float32, weak_type=True)
+    """
+    if not callable(bwd):
+        raise TypeError(f"bwd_as_written(bwd) expects the backward rule (a callable), got {type(bwd).__name__}")
+    setattr(bwd, BWD_AS_WRITTEN, True)
+    return bwd
