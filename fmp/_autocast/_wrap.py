@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from fmp._autocast._hops import BWD_AS_WRITTEN
-from fmp._autocast._transform import REGION_SCOPE, Context, check_overrides, check_rules, run_top
+from fmp._autocast._transform import REGION_SCOPE, Context, aval_of, check_overrides, check_rules, run_top
 from fmp._core._rules import RuleSet
 from fmp._policy import Policy, get_policy
 
@@ -40,6 +41,55 @@ def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[ClosedJaxp
 
     closed = jax.make_jaxpr(flat_fn)(*arrays)
     return closed, arrays, out_tree[0]
+
+
+def _graph_nodes(args: tuple, kwargs: dict) -> Any:
+    """flax nnx objects among the arguments (mutable graph nodes), or None; never imports flax itself."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    is_node = nnx.graph.is_graph_node
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
+    pos = [i for i, x in enumerate(leaves) if is_node(x)]
+    return (nnx, leaves, treedef, pos) if pos else None
+
+
+def _run_with_graph_state(fn: Callable[..., Any], args: tuple, kwargs: dict, graph: Any, ctx: Context) -> Any:
+    """Runs ``fn`` with its nnx objects passed as state, and writes every state update back into them.
+
+    nnx objects are mutable: a BatchNorm's running statistics, an ``Rngs``
+    count or any ``nnx.Variable`` the function assigns change in place. The
+    objects are split into a graph and a state, the state enters the traced
+    program as inputs, the state after ``fn`` leaves it as outputs (in the
+    dtypes ``fn`` gave it), and ``nnx.update`` writes it back, so the caller
+    (``nnx.value_and_grad``, ``nnx.jit``, plain Python) sees the updates.
+    """
+    nnx, leaves, treedef, pos = graph
+    nodes = tuple(leaves[i] for i in pos)
+    graphdef, state = nnx.split(nodes)
+    others = [x for i, x in enumerate(leaves) if i not in set(pos)]
+
+    def inner(state: Any, others: list[Any]) -> Any:
+        merged = iter(nnx.merge(graphdef, state))
+        rest = iter(others)
+        full = [next(merged) if i in pos else next(rest) for i in range(len(leaves))]
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        out = fn(*a, **k)
+        _, new_state = nnx.split(tuple(full[i] for i in pos))
+        return out, new_state
+
+    closed, arrays, out_tree = trace(inner, (state, others), {})
+    with jax.named_scope(REGION_SCOPE):
+        outs = run_top(closed, arrays, ctx)
+    n_out = out_tree.children()[0].num_leaves
+    # state leaves keep the dtype fn gave them (the policy's output dtype applies to fn's results only)
+    outs = [
+        o if i < n_out or aval_of(o).dtype == a.dtype else jax.lax.convert_element_type(o, a.dtype)
+        for i, (o, a) in enumerate(zip(outs, closed.out_avals, strict=True))
+    ]
+    out, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
+    nnx.update(nodes, new_state)
+    return out
 
 
 def autocast(
@@ -116,9 +166,13 @@ def autocast(
         if not enabled:
             with jax.named_scope(REGION_SCOPE):
                 return fn(*args, **kwargs)
+        ctx = Context(pol, ruleset, over)
+        graph = _graph_nodes(args, kwargs)
+        if graph is not None:
+            return _run_with_graph_state(fn, args, kwargs, graph, ctx)
         closed, arrays, out_tree = trace(fn, args, kwargs)
         with jax.named_scope(REGION_SCOPE):
-            outs = run_top(closed, arrays, Context(pol, ruleset, over))
+            outs = run_top(closed, arrays, ctx)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
