@@ -211,3 +211,17 @@ def test_custom_root_with_matmul_and_its_gradient() -> None:
     g = jax.grad(lambda x, w: fmp.autocast(f)(x, w))(x, w)
     gr = jax.grad(f)(x, w)
     np.testing.assert_allclose(np.asarray(g), np.asarray(gr), rtol=5e-2, atol=2e-3)
+
+
+def test_random_gamma_samples_in_float32() -> None:
+    """The gamma sampler's rejection loop runs in float32 on a bfloat16 shape parameter."""
+    x, w = _inputs()
+    key = jax.random.key(2)
+
+    def f(x, w):
+        return jax.random.gamma(key, jnp.abs(x @ w) + 1.0)
+
+    out = fmp.autocast(f)(x, w)
+    hand = jax.random.gamma(key, (jnp.abs(x.astype(BF16) @ w.astype(BF16)) + 1.0).astype(jnp.float32))
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(hand))
