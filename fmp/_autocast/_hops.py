@@ -9,7 +9,6 @@ so that its (unchanged) derivative rules still type-check.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -19,6 +18,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
 
 from fmp._autocast import _hops_calls, _jax_internals
+from fmp._autocast._custom_bwd import BWD_AS_WRITTEN, run_bwd
 from fmp._autocast._transform import (
     Context,
     Handler,
@@ -185,31 +185,8 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
     if eqn.primitive is custom_vjp_call_p and not getattr(
         _jax_internals.user_function(params["bwd"]), BWD_AS_WRITTEN, False
     ):
-        params["bwd"] = _jax_internals.rewrap_bwd(params["bwd"], functools.partial(_run_bwd, ctx=ctx, scope=scope))
+        params["bwd"] = _jax_internals.rewrap_bwd(params["bwd"], functools.partial(run_bwd, ctx=ctx, scope=scope))
     return bind(eqn, invals, params)
-
-
-# The attribute fmp.bwd_as_written sets on a custom_vjp bwd rule.
-BWD_AS_WRITTEN = "__fmp_bwd_as_written__"
-
-
-def _run_bwd(call: Any, args: Any, ctx: Context, scope: str) -> list[Any]:
-    """Runs a custom_vjp bwd rule under ``ctx``'s policy; its outputs keep the dtypes the rule gives them."""
-    if not all(isinstance(a, jax.Array) for a in args):  # symbolic zeros: run it as written
-        return list(call(*args))
-    slots: list[Any] = []  # the bwd's outputs that are not arrays (symbolic zeros), by position
-
-    def flat(*xs: Any) -> list[Any]:
-        outs = list(call(*xs))
-        slots[:] = [None if isinstance(o, jax.Array) else o for o in outs]
-        return [o for o in outs if isinstance(o, jax.Array)]
-
-    closed = _jax_internals.trace_to_closed_jaxpr(flat, [aval_of(a) for a in args], "fmp.autocast bwd")
-    sub = dataclasses.replace(ctx, records=None, memos=[], producers=[])
-    vals = eval_jaxpr(closed.jaxpr, closed.consts, list(args), sub, scope)
-    vals = [cast(v, a.dtype, sub) for v, a in zip(vals, closed.out_avals, strict=True)]
-    it = iter(vals)
-    return [next(it) if s is None else s for s in slots]
 
 
 def _shard_map(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
-from fmp._autocast._hops import BWD_AS_WRITTEN
+from fmp._autocast._custom_bwd import BWD_AS_WRITTEN
 from fmp._autocast._transform import REGION_SCOPE, Context, aval_of, check_overrides, check_rules, run_top
 from fmp._core._rules import RuleSet
 from fmp._policy import Policy, get_policy
