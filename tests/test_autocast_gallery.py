@@ -1,18 +1,20 @@
 """A gallery of real models trained a few steps under autocast.
 
-Each model is trained with plain SGD for a few steps (jitted) four ways: in float32, under
-``fmp.autocast``, cast by hand (the library's own ``dtype=bfloat16`` knobs, or explicit casts), and
-under autocast without jit for the first step. The losses and parameters are compared:
+Each model is trained with plain SGD for a few steps (jitted) in float32, under ``fmp.autocast``, and
+cast by hand (the library's own ``dtype=bfloat16`` knobs, or explicit casts), plus one step under
+autocast without jit. Tolerances, and why:
 
-* autocast vs float32: bfloat16 keeps 8 mantissa bits, so each matmul/conv carries a relative error of
-  ~2**-8 = 0.4 % per entry; through a few layers and a few SGD steps (small learning rate) the losses stay
-  within 5 % and the parameters within 2 % of their scale (``LOSS_TOL``, ``PARAM_TOL``), which is ~10x
-  the spread one bf16 rounding of every activation gives here and ~10x below what a wrong rule gives
-  (a BatchNorm epilogue in bf16 moved the gradients by ~100 %).
-* autocast vs the hand-cast model: bitwise where the program is the same (the equinox MLP written with
-  explicit casts), else within the float32 tolerance (flax's ``dtype=bfloat16`` also runs LayerNorm and
-  softmax in bfloat16, a different program).
-* jit vs eager: one step, within float32 reassociation of a bf16 program (``JIT_TOL``).
+* losses vs float32 and vs the hand-cast model: 5 % (``LOSS_TOL``). bfloat16 keeps 8 mantissa bits, a
+  matmul/conv entry carries ~2**-8 = 0.4 % relative error; measured gaps here are below 0.1 %.
+* parameters after training vs float32: 2 % of each leaf's scale, floored at 0.05 (``PARAM_TOL``); an
+  attention key bias has an exact gradient of zero (softmax ignores a shift of all logits) and holds
+  only rounding noise, so it is judged on the floor.
+* first-step gradients (linen) and trained parameters (nnx): no further from float32 than the hand-cast
+  model's (x1.5), or within ``GRAD_TOL`` / ``PARAM_TOL``. A conv bias before a BatchNorm also has an exact
+  gradient of zero; on the ResNet the hand-cast model's worst gradient leaf is ~20 % off float32 and
+  autocast's ~16 %, so a fixed tolerance would measure the model, not the library.
+* bitwise where the program is the same: the equinox MLP written with explicit casts, eager.
+* jit vs eager, one step: 2 % (``JIT_TOL``); XLA may keep a bfloat16 intermediate in float32 under jit.
 """
 
 from __future__ import annotations
@@ -37,13 +39,6 @@ JIT_TOL = 2e-2
 GRAD_TOL = 5e-2
 STEPS = 3
 LR = 0.05
-
-XFAIL_EPILOGUE_BN = pytest.mark.xfail(
-    strict=False,
-    reason="the epilogue rule takes BatchNorm's `h - mean(h)` (h a conv result, mean(h) smaller) for a bias add "
-    "and runs it in bfloat16; the test passes with the rule off (DEFAULT_RULES.derive(epilogue=[])); the "
-    "rule's dependence analysis (a statistic of the result is not a bias) is being fixed on the other branch",
-)
 
 
 def _rel(a, b):
@@ -76,8 +71,8 @@ def _train(loss_fn, params, batch, wrap=lambda f: f, steps=STEPS, jit=True):
 _GRADS: list = []  # the first step's gradients of the latest runs, for _compare_grads
 
 
-def _grad_error(grads, grads32):
-    """The worst first-step gradient error over the leaves, each relative to its leaf's scale, floored at a
+def _tree_error(grads, grads32):
+    """The worst error of a tree (first-step gradients, trained parameters) over its leaves, each relative to its leaf's scale, floored at a
     tenth of the model's largest gradient entry (a leaf whose exact gradient is ~0, a conv bias before a
     BatchNorm or an attention key bias, holds only rounding noise)."""
     scale = max(float(np.max(np.abs(g))) for g in jax.tree_util.tree_leaves(grads32))
@@ -134,7 +129,7 @@ def _run_linen(make, x, y, has_stats=False):
     np.testing.assert_allclose(la, lh, rtol=LOSS_TOL)
     # first-step gradients: no further from float32 than the hand-cast model's (x1.5), or within GRAD_TOL
     g32, gauto, ghand = _GRADS[-3:]
-    auto_err, hand_err = _grad_error(gauto, g32), _grad_error(ghand, g32)
+    auto_err, hand_err = _tree_error(gauto, g32), _tree_error(ghand, g32)
     assert auto_err <= max(GRAD_TOL, 1.5 * hand_err), (auto_err, hand_err)
     # jit vs eager, one step
     le, _ = _train(loss_fn, params, batch, fmp.autocast, steps=1, jit=False)
@@ -252,20 +247,22 @@ def test_linen_scan_remat_stack() -> None:
 
 
 class NNXCNN(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
-        self.bn = nnx.BatchNorm(8, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, dtype=None):
+        self.dtype = dtype
+        self.conv1 = nnx.Conv(3, 8, (3, 3), dtype=dtype, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(0.2, rngs=rngs)
-        self.conv2 = nnx.Conv(8, 8, (3, 3), rngs=rngs)
-        self.lin = nnx.Linear(8, 4, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), dtype=dtype, rngs=rngs)
+        self.lin = nnx.Linear(8, 4, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
+        x = x if self.dtype is None else x.astype(self.dtype)
         h = self.drop(nnx.relu(self.bn(self.conv1(x))))
-        return self.lin(nnx.relu(self.conv2(h)).mean((1, 2)))
+        return self.lin(nnx.relu(self.conv2(h)).mean((1, 2))).astype(jnp.float32)
 
 
-def _nnx_train(wrap):
-    model = NNXCNN(nnx.Rngs(0, dropout=1))
+def _nnx_train(wrap, dtype=None):
+    model = NNXCNN(nnx.Rngs(0, dropout=1), dtype)
     x = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
     y = jax.random.normal(jax.random.key(2), (4, 4))
 
@@ -279,18 +276,26 @@ def _nnx_train(wrap):
         nnx.update(m, jax.tree.map(lambda p, g: p - LR * g, params, grads))
         return value
 
-    losses = np.array([float(step(model, x, y)) for _ in range(STEPS)])
+    with jax.numpy_dtype_promotion("standard" if dtype is not None else "strict"):
+        losses = np.array([float(step(model, x, y)) for _ in range(STEPS)])
     return losses, model
 
 
-@XFAIL_EPILOGUE_BN
 def test_nnx_cnn_batchnorm_dropout() -> None:
     l32, m32 = _nnx_train(lambda f: f)
     la, ma = _nnx_train(fmp.autocast)
+    lh, mh = _nnx_train(lambda f: f, BF16)  # cast by hand: nnx's dtype=bfloat16 layers
     # the state updates happened: BatchNorm statistics and the dropout RNG count moved as in float32
     assert int(ma.drop.rngs.count[...]) == int(m32.drop.rngs.count[...]) == STEPS
     assert _rel(ma.bn.mean[...], m32.bn.mean[...]) < PARAM_TOL
-    _compare_to_float32(la, nnx.state(ma, nnx.Param), l32, nnx.state(m32, nnx.Param))
+    np.testing.assert_allclose(la, l32, rtol=LOSS_TOL)
+    np.testing.assert_allclose(la, lh, rtol=LOSS_TOL)
+    # parameters after training: no further from float32 than the hand-cast model's (x1.5), or within
+    # PARAM_TOL (a conv bias moves by ~1e-2 in three steps; its bfloat16 bias add, as in the hand-cast model
+    # and in torch's conv, leaves ~1e-3 of it)
+    p32, pa, ph = (nnx.state(m, nnx.Param) for m in (m32, ma, mh))
+    auto_err, hand_err = _tree_error(pa, p32), _tree_error(ph, p32)
+    assert auto_err <= max(PARAM_TOL, 1.5 * hand_err), (auto_err, hand_err)
 
 
 # ------------------------------------------------------------------------------------------ equinox
