@@ -6,6 +6,7 @@
 from fmp import _flax_serialization  # noqa: F401 - registers GradScaler with flax.serialization when flax is imported
 from fmp._autocast import autocast as autocast
 from fmp._autocast import autocast_jaxpr as autocast_jaxpr
+from fmp._autocast import bwd_as_written as bwd_as_written
 from fmp._autocast import explain as explain
 from fmp._autocast import float8_state as float8_state
 from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
@@ -39,6 +40,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "autocast_jaxpr",
+    "bwd_as_written",
     "cast_tree",
     "check_scaler_health",
     "explain",

@@ -196,11 +196,11 @@ def test_custom_rules_move_an_op():
 
 
 def test_unhandled_sub_jaxpr_primitive_raises_naming_it():
-    def f(a, b):
-        return jax.lax.custom_linear_solve(lambda x: a @ x, b, lambda mv, y: y / 2.0)
+    g = jax.custom_batching.custom_vmap(lambda x: x @ x)
+    g.def_vmap(lambda size, batched, x: (x @ x, batched[0]))
 
-    with pytest.raises(NotImplementedError, match="custom_linear_solve"):
-        fmp.autocast(f)(jnp.eye(2) * 2, jnp.ones(2))
+    with pytest.raises(NotImplementedError, match="custom_vmap_call"):
+        fmp.autocast(g)(jnp.eye(2) * 2)
 
 
 def test_argument_validation():

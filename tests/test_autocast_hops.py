@@ -359,7 +359,7 @@ def test_loop_carry_grads_and_explain_rows():
 # ---------------------------------------------------------------- custom_vjp bwd rules run as written
 
 
-def _vjp_with_dot_bwd(autocast_bwd: bool):
+def _vjp_with_dot_bwd(as_written: bool):
     @jax.custom_vjp
     def f(x, w):
         return x @ w
@@ -368,7 +368,7 @@ def _vjp_with_dot_bwd(autocast_bwd: bool):
         x, w = res
         return g @ w.T, x.T @ g
 
-    rule = fmp.autocast(bwd) if autocast_bwd else bwd
+    rule = fmp.bwd_as_written(bwd) if as_written else bwd
     f.defvjp(lambda x, w: (f(x, w), (x, w)), rule)
     return f
 
@@ -379,12 +379,12 @@ def _bwd_dot_dtypes(f):
     return in_dtypes(cj, "dot_general")
 
 
-def test_custom_vjp_bwd_rule_runs_as_written_unless_autocast_by_the_user():
+def test_custom_vjp_bwd_rule_runs_under_the_policy_unless_marked_as_written():
     dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(False))
+    assert dots == [BF] * 3  # the fwd rule and the bwd rule's two dots, under the forward's policy
+    dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(True))
     assert dots[0] == BF  # the fwd rule
     assert dots[1:] == [("float32", "float32")] * 2  # the bwd rule, as written
-    dots = _bwd_dot_dtypes(_vjp_with_dot_bwd(True))
-    assert dots == [BF] * 3  # the user wrapped the bwd rule in fmp.autocast
 
 
 def test_loop_carry_falls_back_to_original_dtypes_if_no_fixed_point(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fmp._autocast import _wrap
+from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
 from fmp._autocast._rows import flops
 from fmp._autocast._transform import configure, make_context, rewrite_top
@@ -52,7 +52,7 @@ def explain(
 
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
-        closed, _, _ = _wrap.trace(fn, args, kwargs)
+        closed, _, _ = trace(fn, args, kwargs)
         ctx = make_context(config, records=[], fp8_sites=SiteFeeder(None))  # delayed sites as with a state
         rewrite_top(closed, ctx)
         return Report(records=tuple(ctx.records or ()), policy=str(config.policy), framework="jax")

@@ -9,6 +9,7 @@ so that its (unchanged) derivative rules still type-check.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -16,7 +17,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
 
-from fmp._autocast import _jax_internals
+from fmp._autocast import _hops_calls, _jax_internals
+from fmp._autocast._custom_bwd import BWD_AS_WRITTEN, run_bwd
 from fmp._autocast._interp import (
     Context,
     Handler,
@@ -176,12 +178,14 @@ def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
 
 
 def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    """custom_jvp_call / custom_vjp_call: the primal body and the jvp / fwd rule are rewritten.
+    """custom_jvp_call / custom_vjp_call: the primal body, the jvp / fwd rule and the bwd rule are rewritten.
 
     The rules themselves are kept (a custom derivative still applies), and the
-    call's inputs and outputs, the jvp rule's tangents and the fwd rule's
-    residuals keep the dtypes of the original program, which the user's rules
-    were written for. The bwd rule of a custom_vjp runs as written.
+    call's inputs and outputs, the jvp rule's tangents, the fwd rule's
+    residuals and the bwd rule's cotangents keep the dtypes of the original
+    program, which the user's rules were written for. The bwd rule of a
+    custom_vjp runs under the forward's policy (as ``torch.amp.custom_bwd``
+    does), unless it was marked with [`fmp.bwd_as_written`][fmp.bwd_as_written].
     """
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
     invals = _pin(invals, closed.in_avals, ctx)
@@ -193,6 +197,10 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
 
     thunk = "jvp_jaxpr_fun" if eqn.primitive is custom_jvp_call_p else "fwd_jaxpr_thunk"
     params[thunk] = _jax_internals.rewrap_rule_thunk(params[thunk], rewrite)
+    if eqn.primitive is custom_vjp_call_p and not getattr(
+        _jax_internals.user_function(params["bwd"]), BWD_AS_WRITTEN, False
+    ):
+        params["bwd"] = _jax_internals.rewrap_bwd(params["bwd"], functools.partial(run_bwd, ctx=ctx, scope=scope))
     return bind(eqn, invals, params)
 
 
@@ -215,3 +223,4 @@ HANDLERS: dict[Any, Handler] = {
     custom_vjp_call_p: _custom,
     _jax_internals.shard_map_p: _shard_map,
 }
+HANDLERS.update(_hops_calls.handlers())  # linear solves, calls, composites; refused primitives raise

@@ -9,21 +9,55 @@ moves one of these names, this is the only file to change.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.extend.linear_util as lu
 from jax._src import api_util
+from jax._src.core import Primitive
 from jax._src.interpreters import partial_eval as pe
 from jax._src.shard_map import shard_map_p
 from jax.extend.core import ClosedJaxpr
+from jax.extend.core.primitives import closed_call_p
 
 try:  # FlatTree: the container shard_map's body function returns since JAX 0.10
     from jax._src.tree_util import FlatTree
 except ImportError:  # pragma: no cover - depends on the JAX version
     FlatTree = None  # type: ignore[assignment,misc]
 
-__all__ = ["bind_shard_map", "rewrap_rule_thunk", "shard_map_p", "trace_to_closed_jaxpr"]
+__all__ = [
+    "bind_shard_map",
+    "closed_call_p",
+    "primitives_by_name",
+    "rewrap_bwd",
+    "rewrap_rule_thunk",
+    "shard_map_p",
+    "trace_to_closed_jaxpr",
+]
+
+# Modules of JAX that define primitives a user program can hold; imported (if present) before
+# ``primitives_by_name`` looks, so the answer does not depend on what the user imported first.
+_PRIMITIVE_MODULES = (
+    "jax._src.core",
+    "jax._src.custom_batching",
+    "jax._src.custom_derivatives",
+    "jax._src.custom_partitioning",
+    "jax._src.custom_transpose",
+    "jax._src.cudnn.fusion",
+    "jax._src.export._export",
+    "jax._src.hijax",
+    "jax._src.lax.control_flow.solves",
+    "jax._src.lax.eval_jaxpr",
+    "jax._src.lax.fft",
+    "jax._src.lax.lax",
+    "jax._src.lax.linalg",
+    "jax._src.lax.special",
+    "jax._src.pallas.core",
+    "jax._src.random.core",
+    "jax._src.state.discharge",
+)
 
 
 def trace_to_closed_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str) -> ClosedJaxpr:
@@ -68,3 +102,35 @@ def rewrap_rule_thunk(thunk: Any, rewrite: Callable[[ClosedJaxpr], ClosedJaxpr])
         return (new.jaxpr, new.consts, *rest)
 
     return lu.wrap_init(wrapped, debug_info=thunk.debug_info)
+
+
+def primitives_by_name() -> dict[str, Primitive]:
+    """Every primitive object defined in a loaded ``jax`` module, by name (the first found wins)."""
+    for mod in _PRIMITIVE_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ImportError:  # pragma: no cover - depends on the JAX version and its optional parts
+            pass
+    out: dict[str, Primitive] = {}
+    for name, module in sorted(sys.modules.items()):
+        if module is None or not (name == "jax" or name.startswith("jax.")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, Primitive):
+                out.setdefault(value.name, value)
+    return out
+
+
+def rewrap_bwd(bwd: Any, run: Callable[[Callable[..., Any], Sequence[Any]], list[Any]]) -> Any:
+    """Wraps a custom_vjp ``bwd`` (a ``WrappedFun``: flat residuals and cotangents -> flat cotangents, which
+    may hold symbolic zeros) so that ``run(call, args)`` evaluates it; ``call(*args)`` calls the original."""
+
+    def wrapped(*args: Any) -> Any:
+        return run(bwd.call_wrapped, args)
+
+    return lu.wrap_init(wrapped, debug_info=bwd.debug_info)
+
+
+def user_function(wrapped: Any) -> Any:
+    """The user's function inside a ``WrappedFun`` (the custom_vjp bwd rule as written)."""
+    return getattr(wrapped, "f", None)

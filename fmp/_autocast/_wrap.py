@@ -7,41 +7,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
-from jax.extend.core import ClosedJaxpr
 
+from fmp._autocast._args import graph_nodes, run_with_graph_state, trace
 from fmp._autocast._checks import check_args, warn_no_effect
+from fmp._autocast._custom_bwd import BWD_AS_WRITTEN
 from fmp._autocast._interp import REGION_SCOPE
 from fmp._autocast._transform import configure, make_context, rewrite_top, run_top
 from fmp._core._rules import RuleSet
 from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
-
-
-def _is_dynamic(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
-
-
-def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[ClosedJaxpr, list[Any], Any]:
-    """Traces ``fn(*args, **kwargs)``: array leaves become jaxpr inputs, other leaves are static.
-
-    Returns the closed jaxpr, the array leaves, and the output tree structure.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [_is_dynamic(x) for x in leaves]
-    arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
-    out_tree: list[Any] = []
-
-    def flat_fn(*xs: Any) -> list[Any]:
-        it = iter(xs)
-        full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        out_leaves, tree = jax.tree_util.tree_flatten(fn(*a, **k))
-        out_tree.append(tree)
-        return out_leaves
-
-    closed = jax.make_jaxpr(flat_fn)(*arrays)
-    return closed, arrays, out_tree[0]
 
 
 def autocast(
@@ -132,11 +106,15 @@ def autocast(
             with jax.named_scope(REGION_SCOPE):
                 return fn(*args, **kwargs)
         check_args(args, kwargs)
+        sites = None if fp8_state is None else SiteFeeder(fp8_state)
+        ctx = make_context(config, fp8_sites=sites)
+        graph = graph_nodes(args, kwargs)
+        if graph is not None:
+            return run_with_graph_state(fn, args, kwargs, graph, ctx)
         closed, arrays, out_tree = trace(fn, args, kwargs)
         warn_no_effect(closed, config.policy, config.overrides, label)
         with jax.named_scope(REGION_SCOPE):
-            sites = None if fp8_state is None else SiteFeeder(fp8_state)
-            outs = run_top(closed, arrays, make_context(config, fp8_sites=sites))
+            outs = run_top(closed, arrays, ctx)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return wrapped
@@ -173,3 +151,34 @@ def float8_state(
         return Float8State.zeros(sites.labels, config.policy.fp8)
 
     return build
+
+
+def bwd_as_written(bwd: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a ``jax.custom_vjp`` backward rule to run exactly as written under autocast.
+
+    By default [`fmp.autocast`][fmp.autocast] runs a custom_vjp's backward rule under the
+    policy of its forward call, as ``torch.amp.custom_bwd`` does for a custom
+    autograd Function: a matmul in the rule runs in the compute dtype, an
+    ``exp`` in float32, and the cotangents it returns keep the dtypes the rule
+    gives them. A rule marked with this decorator runs as written instead
+    (every op in the dtypes it is given), e.g. a hand-tuned rule that manages
+    its own precision.
+
+    Args:
+      bwd: The backward rule passed to ``defvjp``.
+
+    Returns:
+      ``bwd`` itself, marked.
+
+    Examples:
+      >>> @jax.custom_vjp
+      ... def scale(x):
+      ...     return 2.0 * x
+      >>> scale.defvjp(lambda x: (2.0 * x, None), fmp.bwd_as_written(lambda _, g: (2.0 * g,)))
+      >>> jax.grad(lambda x: fmp.autocast(scale)(x))(1.0)
+      Array(2., dtype=float32, weak_type=True)
+    """
+    if not callable(bwd):
+        raise TypeError(f"bwd_as_written(bwd) expects the backward rule (a callable), got {type(bwd).__name__}")
+    setattr(bwd, BWD_AS_WRITTEN, True)
+    return bwd

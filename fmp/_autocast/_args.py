@@ -1,0 +1,95 @@
+"""How a user function's arguments enter the traced program autocast rewrites.
+
+Array leaves become jaxpr inputs and every other leaf is static (``trace``). flax nnx objects are mutable
+graph nodes: they enter as their state and leave as the state after the function, which is written back
+(``graph_nodes`` / ``run_with_graph_state``), so BatchNorm statistics, RNG counts and any ``nnx.Variable``
+the function assigns are updated as without autocast.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr
+
+from fmp._autocast._interp import REGION_SCOPE, Context, aval_of
+from fmp._autocast._transform import run_top
+
+
+def _is_dynamic(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[ClosedJaxpr, list[Any], Any]:
+    """Traces ``fn(*args, **kwargs)``: array leaves become jaxpr inputs, other leaves are static.
+
+    Returns the closed jaxpr, the array leaves, and the output tree structure.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [_is_dynamic(x) for x in leaves]
+    arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
+    out_tree: list[Any] = []
+
+    def flat_fn(*xs: Any) -> list[Any]:
+        it = iter(xs)
+        full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        out_leaves, tree = jax.tree_util.tree_flatten(fn(*a, **k))
+        out_tree.append(tree)
+        return out_leaves
+
+    closed = jax.make_jaxpr(flat_fn)(*arrays)
+    return closed, arrays, out_tree[0]
+
+
+def graph_nodes(args: tuple, kwargs: dict) -> Any:
+    """flax nnx objects among the arguments (mutable graph nodes), or None; never imports flax itself."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    is_node = nnx.graph.is_graph_node
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
+    pos = [i for i, x in enumerate(leaves) if is_node(x)]
+    return (nnx, leaves, treedef, pos) if pos else None
+
+
+def run_with_graph_state(fn: Callable[..., Any], args: tuple, kwargs: dict, graph: Any, ctx: Context) -> Any:
+    """Runs ``fn`` with its nnx objects passed as state, and writes every state update back into them.
+
+    nnx objects are mutable: a BatchNorm's running statistics, an ``Rngs``
+    count or any ``nnx.Variable`` the function assigns change in place. The
+    objects are split into a graph and a state, the state enters the traced
+    program as inputs, the state after ``fn`` leaves it as outputs (in the
+    dtypes ``fn`` gave it), and ``nnx.update`` writes it back, so the caller
+    (``nnx.value_and_grad``, ``nnx.jit``, plain Python) sees the updates.
+    """
+    nnx, leaves, treedef, pos = graph
+    nodes = tuple(leaves[i] for i in pos)
+    graphdef, state = nnx.split(nodes)
+    others = [x for i, x in enumerate(leaves) if i not in set(pos)]
+
+    def inner(state: Any, others: list[Any]) -> Any:
+        merged = iter(nnx.merge(graphdef, state))
+        rest = iter(others)
+        full = [next(merged) if i in pos else next(rest) for i in range(len(leaves))]
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        out = fn(*a, **k)
+        _, new_state = nnx.split(tuple(full[i] for i in pos))
+        return out, new_state
+
+    closed, arrays, out_tree = trace(inner, (state, others), {})
+    with jax.named_scope(REGION_SCOPE):
+        outs = run_top(closed, arrays, ctx)
+    n_out = out_tree.children()[0].num_leaves
+    # state leaves keep the dtype fn gave them (the policy's output dtype applies to fn's results only)
+    outs = [
+        o if i < n_out or aval_of(o).dtype == a.dtype else jax.lax.convert_element_type(o, a.dtype)
+        for i, (o, a) in enumerate(zip(outs, closed.out_avals, strict=True))
+    ]
+    out, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
+    nnx.update(nodes, new_state)
+    return out

@@ -1,0 +1,109 @@
+"""A custom_vjp backward rule runs under its forward's policy (like torch.amp.custom_bwd); fmp.bwd_as_written opts out."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fmp
+
+BF16 = jnp.bfloat16
+
+
+def _make(bwd_wrap=lambda b: b):
+    @jax.custom_vjp
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = jnp.tanh(x @ w)
+        return y, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        gz = g * (1 - y**2)
+        return gz @ w.T, x.T @ gz
+
+    layer.defvjp(fwd, bwd_wrap(bwd))
+    return layer
+
+
+def _inputs():
+    x = jax.random.normal(jax.random.key(0), (4, 3))
+    w = jax.random.normal(jax.random.key(1), (3, 5))
+    return x, w
+
+
+def _hand_grads(x, w, bwd_dtype):
+    """The forward cast by hand (bfloat16 matmul; residuals in float32, as the rule was written), and the
+    backward's two matmuls in ``bwd_dtype``."""
+    y = jnp.tanh(x.astype(BF16) @ w.astype(BF16)).astype(jnp.float32)
+    gz = jnp.ones_like(y) * (1 - y**2)
+
+    def mm(a, b):
+        return (a.astype(bwd_dtype) @ b.astype(bwd_dtype)).astype(jnp.float32)
+
+    return mm(gz, w.T), mm(x.T, gz)
+
+
+def _grads(layer, x, w):
+    return jax.grad(lambda x, w: jnp.sum(fmp.autocast(layer)(x, w)), argnums=(0, 1))(x, w)
+
+
+def test_bwd_runs_under_the_forward_policy() -> None:
+    x, w = _inputs()
+    layer = _make()
+    gx, gw = _grads(layer, x, w)
+    hx, hw = _hand_grads(x, w, BF16)
+    assert gx.dtype == gw.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(hx))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(hw))
+    # the backward's matmuls are in the compute dtype in the program itself
+    jaxpr = jax.make_jaxpr(lambda x, w: jax.grad(lambda w: jnp.sum(fmp.autocast(layer)(x, w)))(w))(x, w)
+    dots = [e.invars[0].aval.dtype for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots == [jnp.dtype(BF16)] * 3  # forward + two in the backward
+    # against float32: one bfloat16 rounding per matmul operand (2**-8 relative) through tanh'
+    gx32, gw32 = jax.grad(lambda x, w: jnp.sum(layer(x, w)), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(gw32), atol=5e-2 * float(jnp.max(jnp.abs(gw32))))
+
+
+def test_bwd_as_written_opts_out() -> None:
+    x, w = _inputs()
+    layer = _make(fmp.bwd_as_written)
+    gx, gw = _grads(layer, x, w)
+    hx, hw = _hand_grads(x, w, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(hx))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(hw))
+    with pytest.raises(TypeError, match="backward rule"):
+        fmp.bwd_as_written(3)
+
+
+def test_bwd_under_jit_and_with_none_cotangent() -> None:
+    @jax.custom_vjp
+    def f(x, w):
+        return x @ w
+
+    f.defvjp(lambda x, w: (x @ w, x), lambda x, g: (None, x.T @ g))  # no cotangent for x
+    x, w = _inputs()
+    loss = lambda w: jnp.sum(fmp.autocast(f)(x, w) ** 2)  # noqa: E731
+    eager = jax.grad(loss)(w)
+    jitted = jax.jit(jax.grad(loss))(w)
+    assert eager.dtype == jnp.float32
+    ref = jax.grad(lambda w: jnp.sum(f(x, w) ** 2))(w)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), atol=3e-2 * float(jnp.max(jnp.abs(ref))))
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(ref), atol=3e-2 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_bwd_follows_an_override_policy() -> None:
+    """Under ``overrides`` the forward runs in float32, and so does its backward."""
+    x, w = _inputs()
+    layer = _make()
+
+    def model(x, w):
+        with jax.named_scope("exact"):
+            return layer(x, w)
+
+    gw = jax.grad(lambda w: jnp.sum(fmp.autocast(model, overrides={"exact": "float32"})(x, w)))(w)
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(jax.grad(lambda w: jnp.sum(layer(x, w)))(w)))
