@@ -16,7 +16,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 import fmp
 from fmp._autocast import _hops_calls, _jax_internals
 from fmp._autocast._hops import HANDLERS
-from fmp._autocast._transform import OPAQUE
+from fmp._autocast._interp import OPAQUE
 
 BF16 = jnp.dtype(jnp.bfloat16)
 # parameter names of a primitive's rules that hold a sub-jaxpr (or a thunk that makes one)
