@@ -224,22 +224,28 @@ def _third_party_imports(path) -> set[str]:
     tree = ast.parse(path.read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    return {m for m in imported if m not in sys.stdlib_module_names and m not in {"fmp", "__future__"}}
+    return {m for m in imported if m not in sys.stdlib_module_names and m not in {"fmp", "examples", "__future__"}}
 
 
 def test_examples_extra_covers_every_example():
-    """``pip install -e ".[examples]"`` (torch installed first) is enough for every example; main.py needs no torch."""
+    """``pip install -e ".[examples,torch]"`` (torch installed first) is enough for every example; the README's
+    main command installs ``[examples]`` alone, which names no torch, and main.py needs none."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = project["dependencies"] + project["optional-dependencies"]["examples"]
-    dists = {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in reqs}
+    extras = project["optional-dependencies"]
+
+    def names(reqs):
+        return {re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0].lower() for r in reqs}
+
+    assert "torch" not in names(extras["examples"]), "the README's main command would pull a torch build"
+    dists = names(project["dependencies"] + extras["examples"] + extras["torch"])
     dist_of = {"sklearn": "scikit-learn"}  # import name -> distribution name where they differ
     examples = sorted((ROOT / "examples").glob("*.py"))
     assert len(examples) >= 10
     for path in examples:
         missing = sorted(m for m in _third_party_imports(path) if dist_of.get(m, m) not in dists)
-        assert not missing, f"examples/{path.name} imports {missing}, not in the 'examples' extra or the dependencies"
+        assert not missing, f"examples/{path.name} imports {missing}, not in the 'examples'/'torch' extras or the dependencies"
     # the README's first command runs main.py, which must not need torch (installed separately)
     assert "torch" not in _third_party_imports(ROOT / "examples" / "main.py")
     # the extra's comment says how to install torch first
