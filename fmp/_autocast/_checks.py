@@ -69,21 +69,28 @@ def _jaxprs(jaxpr: Jaxpr, prefix: str = "") -> Iterator[tuple[Jaxpr, str]]:
             yield from _jaxprs(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub, scope)
 
 
-def _dtypes_and_scopes(closed: ClosedJaxpr) -> tuple[set[str], set[str]]:
+def _dtypes_and_scopes(closed: ClosedJaxpr, need_scopes: bool = True) -> tuple[set[str], set[str]]:
+    """The dtype names and the name scopes in ``closed``; without ``need_scopes`` the walk stops at the first
+    castable dtype (all the no-op check needs), so a model's every call does not pay a full walk."""
     names: set[str] = set()
     scopes: set[str] = set()
     for jaxpr, prefix in _jaxprs(closed.jaxpr):
         for v in [*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars]:
             if hasattr(getattr(v, "aval", None), "dtype"):
                 names.add(dtype_name(v.aval.dtype))
+        if not need_scopes and names & _dtypes.CASTABLE:
+            return names, scopes
         for eqn in jaxpr.eqns:
             for v in [*eqn.invars, *eqn.outvars]:
                 if hasattr(getattr(v, "aval", None), "dtype"):
                     names.add(dtype_name(v.aval.dtype))
-            own = str(eqn.source_info.name_stack)
-            scope = f"{prefix}/{own}" if prefix and own else (prefix or own)
-            if scope:
-                scopes.add(scope)
+            if need_scopes:
+                own = str(eqn.source_info.name_stack)
+                scope = f"{prefix}/{own}" if prefix and own else (prefix or own)
+                if scope:
+                    scopes.add(scope)
+            elif names & _dtypes.CASTABLE:
+                return names, scopes
     return names, scopes
 
 
@@ -92,7 +99,7 @@ def warn_no_effect(
 ) -> None:
     """Warns (UserWarning, stacklevel pointing at the caller of the wrapped function) about a no-op policy
     or an override key that matches nothing; ``label`` is the policy as the user wrote it."""
-    names, scopes = _dtypes_and_scopes(closed)
+    names, scopes = _dtypes_and_scopes(closed, need_scopes=bool(overrides))
     if policy.compute_dtype.name != "float32" and not names & _dtypes.CASTABLE:
         floats = sorted(n for n in names if n.startswith(("float", "bfloat")))
         found = f"its floating values are {', '.join(floats)}" if floats else "it has no floating values"
