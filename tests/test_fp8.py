@@ -184,6 +184,16 @@ def test_float8_state_pytree_jit_pickle_and_flax_serialization():
     np.testing.assert_array_equal(np.asarray(st.scales())[:, :2], np.full((2, 2), 224.0, np.float32))
 
 
+def test_float8_state_keeps_its_history_on_a_non_finite_step():
+    st = fmp.Float8State.zeros(["a", "b"], fmp.Float8Recipe("delayed", history_len=3))
+    st = st.update(jax.tree_util.tree_map(lambda h: h + 2.0, st))
+    bad = jax.tree_util.tree_map(lambda h: h.at[0, 2, 0].set(jnp.inf).at[1].set(5.0), st)
+    out = jax.jit(lambda s, g: s.update(g))(st, bad)
+    np.testing.assert_array_equal(np.asarray(out.amax_history[0]), np.asarray(st.amax_history[0]))  # kept
+    np.testing.assert_array_equal(np.asarray(out.amax_history[1]), np.full((3, 3), 5.0, np.float32))  # taken
+    assert np.isfinite(np.asarray(out.scales())).all()
+
+
 def test_float8_state_orbax_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint", reason="orbax is not installed")
     st = fmp.Float8State.zeros(["a"], fmp.Float8Recipe("delayed", history_len=2))

@@ -63,10 +63,12 @@ class Float8State:
     def update(self, history_grad: Float8State) -> Float8State:
         """The next state from the gradient of the loss with respect to this one.
 
-        Sites the step did not run (their gradient is all zero) keep their history.
+        Sites the step did not run (their gradient is all zero) keep their history, and so do sites whose new
+        history holds an inf or NaN (an overflowing step, e.g. one a loss scaler skips): a non-finite amax would
+        otherwise stay in the history for its whole length.
         """
         new = history_grad.amax_history.astype(_F32)
-        ran = jnp.any(new != 0, axis=(1, 2), keepdims=True)
+        ran = jnp.any(new != 0, axis=(1, 2), keepdims=True) & jnp.all(jnp.isfinite(new), axis=(1, 2), keepdims=True)
         return dataclasses.replace(self, amax_history=jnp.where(ran, new, self.amax_history))
 
     def scales(self) -> jax.Array:
