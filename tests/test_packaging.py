@@ -68,7 +68,8 @@ def test_autocast_modules_form_no_cycle():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fmp._autocast"):
                 mods = [a.name for a in node.names] if node.module == "fmp._autocast" else [node.module.split(".")[2]]
                 deps.update(m for m in mods if (pkg / f"{m}.py").exists())
-    assert graph["_interp"] <= {"_jax_internals", "_rows"}, graph["_interp"]
+    assert graph["_interp"] <= {"_jax_internals", "_rows", "_provenance"}, graph["_interp"]
+    assert graph["_provenance"] == set(), graph["_provenance"]
     done: set[str] = set()
 
     def visit(mod: str, path: tuple[str, ...]) -> None:

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
+from fmp._autocast import _jax_internals
 from fmp._autocast._interp import REGION_SCOPE, Context, aval_of
 from fmp._autocast._transform import run_top
 
@@ -38,7 +39,9 @@ def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[ClosedJaxp
         it = iter(xs)
         full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        out_leaves, tree = jax.tree_util.tree_flatten(fn(*a, **k))
+        with _jax_internals.keep_inline_calls():  # jnp's helpers stay calls (the rewrite decides which to inline)
+            out = fn(*a, **k)
+        out_leaves, tree = jax.tree_util.tree_flatten(out)
         out_tree.append(tree)
         return out_leaves
 

@@ -94,9 +94,7 @@ def _dtypes_and_scopes(closed: ClosedJaxpr, need_scopes: bool = True) -> tuple[s
     return names, scopes
 
 
-def warn_no_effect(
-    closed: ClosedJaxpr, policy: Policy, overrides: tuple[tuple[str, Policy], ...], label: str
-) -> None:
+def warn_no_effect(closed: ClosedJaxpr, policy: Policy, overrides: tuple[tuple[str, Policy], ...], label: str) -> None:
     """Warns (UserWarning, stacklevel pointing at the caller of the wrapped function) about a no-op policy
     or an override key that matches nothing; ``label`` is the policy as the user wrote it."""
     names, scopes = _dtypes_and_scopes(closed, need_scopes=bool(overrides))

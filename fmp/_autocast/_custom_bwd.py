@@ -26,7 +26,7 @@ def run_bwd(call: Any, args: Any, ctx: Context, scope: str) -> list[Any]:
         return [o for o in outs if isinstance(o, jax.Array)]
 
     closed = _jax_internals.trace_to_closed_jaxpr(flat, [aval_of(a) for a in args], "fmp.autocast bwd")
-    sub = dataclasses.replace(ctx, records=None, memos=[], producers=[])
+    sub = dataclasses.replace(ctx, records=None, memos=[], frames=[], tracebacks=[])
     vals = eval_jaxpr(closed.jaxpr, closed.consts, list(args), sub, scope)
     vals = [cast(v, a.dtype, sub) for v, a in zip(vals, closed.out_avals, strict=True)]
     it = iter(vals)

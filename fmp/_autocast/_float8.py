@@ -15,7 +15,7 @@ import numpy as np
 from jax.extend.core import JaxprEqn
 
 from fmp._autocast import _rows
-from fmp._autocast._interp import Context, _float_names, aval_of
+from fmp._autocast._interp import Context, _float_names, aval_of, source_of
 from fmp._core._rules import Category
 from fmp._fp8 import _bind as _fp8
 from fmp._policy import Policy
@@ -31,14 +31,16 @@ def float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: P
     recipe = policy.fp8
     if recipe.output == "float32":
         out_dtype = np.dtype(jnp.float32)
-    site = recipe.scaling == "delayed" and ctx.fp8_sites is not None and len(ctx.memos) == 1
+    site = (
+        recipe.scaling == "delayed" and ctx.fp8_sites is not None and bool(ctx.memos) and ctx.memos[-1] is ctx.memos[0]
+    )
     site = site and eqn.primitive.name == "dot_general"
     history = ctx.fp8_sites.take(f"{eqn.primitive.name}@{scope}") if site else None
     outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history)]
     if ctx.records is not None:
         ctx.record(
             op=eqn.primitive.name,
-            source=_rows.source(eqn),
+            source=source_of(eqn, ctx),
             scope=scope,
             category=Category.FLOAT8.value,
             in_before=_float_names([v.aval for v in eqn.invars]),

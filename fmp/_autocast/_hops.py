@@ -15,10 +15,19 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
-from jax.extend.core.primitives import cond_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p, while_p
+from jax.extend.core.primitives import (
+    cond_p,
+    custom_jvp_call_p,
+    custom_vjp_call_p,
+    jit_p,
+    remat_p,
+    scan_p,
+    while_p,
+)
 
 from fmp._autocast import _hops_calls, _jax_internals
 from fmp._autocast._custom_bwd import BWD_AS_WRITTEN, run_bwd
+from fmp._autocast._helpers import helper_call
 from fmp._autocast._interp import (
     Context,
     Handler,
@@ -28,18 +37,11 @@ from fmp._autocast._interp import (
     cast,
     dtype_name,
     eval_jaxpr,
+    like_avals,
     transform_closed,
 )
+from fmp._autocast._provenance import is_inline_call
 from fmp._core import _dtypes as _dtypes_mod
-
-
-def _like(avals: list[Any], vals: list[Any]) -> list[Any]:
-    """The body's own avals (shape, sharding, ...) with the dtypes of ``vals``."""
-    out = []
-    for a, x in zip(avals, vals, strict=True):
-        cur = aval_of(x)
-        out.append(a.update(dtype=cur.dtype, weak_type=cur.weak_type) if hasattr(a, "dtype") else a)
-    return out
 
 
 def _pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:
@@ -52,8 +54,11 @@ def _dtypes(avals: list[Any]) -> list[Any]:
 
 
 def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """A user's ``jit`` call: its body is rewritten once per input dtypes and bound as a call again."""
+    if is_inline_call(eqn):
+        return helper_call(eqn, invals, ctx, scope)
     closed: ClosedJaxpr = eqn.params["jaxpr"]
-    new = transform_closed(closed, _like(closed.in_avals, invals), ctx, scope)
+    new = transform_closed(closed, like_avals(closed.in_avals, invals), ctx, scope)
     return bind(eqn, invals, dict(eqn.params, jaxpr=new))
 
 
@@ -137,7 +142,7 @@ def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     closed: ClosedJaxpr = p["jaxpr"]
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-    before, after = _like(closed.in_avals[:nc], consts), _like(closed.in_avals[nc + nk :], xs)
+    before, after = like_avals(closed.in_avals[:nc], consts), like_avals(closed.in_avals[nc + nk :], xs)
     new, carry_avals = _loop_body(closed, before, list(closed.in_avals[nc : nc + nk]), after, carry, ctx, scope)
     carry = _pin(carry, carry_avals, ctx)
     return bind(eqn, consts + carry + xs, dict(p, jaxpr=new))
@@ -149,17 +154,17 @@ def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
     body: ClosedJaxpr = p["body_jaxpr"]
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-    before = _like(body.in_avals[:nb], bconsts)
+    before = like_avals(body.in_avals[:nb], bconsts)
     new_body, carry_avals = _loop_body(body, before, list(body.in_avals[nb:]), [], carry, ctx, scope)
     carry = _pin(carry, carry_avals, ctx)
-    new_cond = transform_closed(cond, _like(cond.in_avals[:nc], cconsts) + carry_avals, ctx, scope)
+    new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, ctx, scope)
     return bind(eqn, cconsts + bconsts + carry, dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body))
 
 
 def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     branches: tuple[ClosedJaxpr, ...] = eqn.params["branches"]
     index, ops = invals[0], invals[1:]
-    new = [transform_closed(b, _like(b.in_avals, ops), ctx, scope) for b in branches]
+    new = [transform_closed(b, like_avals(b.in_avals, ops), ctx, scope) for b in branches]
     outs = [tuple(getattr(a, "dtype", None) for a in b.out_avals) for b in new]
     if len(set(outs)) > 1:  # branches disagree: pin the outputs that differ to the original dtype
         pinned = [None if len({o[i] for o in outs}) == 1 else v.aval.dtype for i, v in enumerate(eqn.outvars)]
@@ -170,7 +175,7 @@ def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
 def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     p = eqn.params
     closed = ClosedJaxpr(p["jaxpr"], ())
-    new = transform_closed(closed, _like(closed.in_avals, invals), ctx, scope)
+    new = transform_closed(closed, like_avals(closed.in_avals, invals), ctx, scope)
     if not new.consts:
         return bind(eqn, invals, dict(p, jaxpr=new.jaxpr))
     fun = jax.checkpoint(jaxpr_as_fun(new), prevent_cse=p["prevent_cse"], policy=p["policy"])

@@ -16,17 +16,9 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._interp import Context, Handler, aval_of, bind, restore, transform_closed
+from fmp._autocast._interp import Context, Handler, bind, like_avals, restore, transform_closed
 from fmp._core._rules import Category
 from fmp._policy import get_policy
-
-
-def _like(avals: list[Any], vals: list[Any]) -> list[Any]:
-    out = []
-    for a, x in zip(avals, vals, strict=True):
-        cur = aval_of(x)
-        out.append(a.update(dtype=cur.dtype, weak_type=cur.weak_type) if hasattr(a, "dtype") else a)
-    return out
 
 
 def _pinned(closed: ClosedJaxpr, ctx: Context, scope: str) -> ClosedJaxpr:
@@ -56,14 +48,14 @@ def _linear_solve(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) ->
 def _closed_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     """``closed_call`` (``core.closed_call_p``): the body is rewritten for the current input dtypes."""
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
-    new = transform_closed(closed, _like(list(closed.in_avals), invals), ctx, scope)
+    new = transform_closed(closed, like_avals(list(closed.in_avals), invals), ctx, scope)
     return bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
 
 
 def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     """``call`` (``core.call_p``, an open jaxpr): rewritten like ``closed_call``."""
     closed = ClosedJaxpr(eqn.params["call_jaxpr"], ())
-    new = transform_closed(closed, _like(list(closed.in_avals), invals), ctx, scope)
+    new = transform_closed(closed, like_avals(list(closed.in_avals), invals), ctx, scope)
     if new.consts:  # a rewrite that created constants: hand them in as a closed call instead
         return bind_closed_call(new, invals)
     return bind(eqn, invals, dict(eqn.params, call_jaxpr=new.jaxpr))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,8 +26,10 @@ import jax
 import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_params
+from jax.extend.core.primitives import jit_p
 
 from fmp._autocast import _jax_internals, _rows
+from fmp._autocast._provenance import Frame, frame_of, is_inline_call
 from fmp._core import _dtypes
 from fmp._core._report import OpRecord
 from fmp._core._rules import RuleSet
@@ -65,6 +68,15 @@ _MSG_UNHANDLED = (
 )
 
 
+def like_avals(avals: Sequence[Any], vals: Sequence[Any]) -> list[Any]:
+    """``avals`` (a body's own: shape, sharding, ...) with the dtypes and weak types of ``vals``."""
+    out = []
+    for a, x in zip(avals, vals, strict=True):
+        cur = aval_of(x)
+        out.append(a.update(dtype=cur.dtype, weak_type=cur.weak_type) if hasattr(a, "dtype") else a)
+    return out
+
+
 def dtype_name(dtype: Any) -> str:
     """The name of a dtype; works for extended dtypes (PRNG keys) that NumPy does not know."""
     name = getattr(dtype, "name", None)
@@ -73,6 +85,11 @@ def dtype_name(dtype: Any) -> str:
 
 def _is_castable(dtype: Any) -> bool:
     return dtype_name(dtype) in _dtypes.CASTABLE
+
+
+def is_constant(x: Any) -> bool:
+    """A value known while tracing: a literal of the program, or a constant JAX would fold into one."""
+    return isinstance(x, int | float | complex | np.ndarray | np.generic) and not isinstance(x, jax.Array)
 
 
 def aval_of(x: Any) -> Any:
@@ -90,8 +107,11 @@ class Context:
     records: list[OpRecord] | None = None
     # one cast cache per jaxpr being evaluated (values of one trace): (id(x), dtype) -> (x, cast x)
     memos: list[dict[tuple[int, str], tuple[Any, Any]]] = dataclasses.field(default_factory=list)
-    # one map per jaxpr being evaluated: original variable -> the equation that produced it (epilogue rule)
-    producers: list[dict[Any, JaxprEqn]] = dataclasses.field(default_factory=list)
+    # one frame per jaxpr being evaluated: where its variables come from in the original program (epilogue rule)
+    frames: list[Frame] = dataclasses.field(default_factory=list)
+    # the traceback of the inline helper call whose body is being rewritten (its equations take it, as JAX's
+    # inlining gives them); empty at the top level
+    tracebacks: list[Any] = dataclasses.field(default_factory=list)
     # what to do with an equation: higher-order primitive -> handler; every other equation -> leaf
     handlers: Mapping[Any, Handler] = dataclasses.field(default_factory=dict)
     leaf: Leaf | None = None
@@ -146,6 +166,34 @@ def round_once(up: Any, src: Any) -> Any:
     return jax.lax.reduce_precision(up, exponent_bits=exponent, mantissa_bits=mantissa)
 
 
+@functools.cache
+def _cast_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
+    """``x -> round_once(convert(x, dst), src)`` as a jitted helper (``inline=True``, like jnp's): JAX
+    caches its differentiation per input type instead of linearizing the cast at every use."""
+
+    def convert(x: Any) -> Any:
+        return round_once(jax.lax.convert_element_type(x, dst), src)
+
+    return jax.jit(convert, inline=True)
+
+
+_CAST_CALLS: collections.OrderedDict[tuple[Any, str, Any], dict[str, Any] | None] = collections.OrderedDict()
+
+
+def _cast_call(x: Any, aval: Any, dtype: Any) -> Any:
+    """``_cast_fn(...)(x)``, bound as the ``jit`` equation that call would stage, reused per input type
+    (a call of a jitted function re-derives that equation every time)."""
+    key = (aval, dtype.name, jax.sharding.get_abstract_mesh())
+    if key not in _CAST_CALLS:
+        _CAST_CALLS[key] = _jax_internals.staged_call_params(_cast_fn(aval.dtype, dtype), aval)
+        if len(_CAST_CALLS) > _CACHE_SIZE:
+            _CAST_CALLS.popitem(last=False)
+    params = _CAST_CALLS[key]
+    if params is None:
+        return _cast_fn(aval.dtype, dtype)(x)
+    return jit_p.bind(x, **params)[0]
+
+
 def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: str = "") -> Any:
     """Casts ``x`` to ``dtype`` when it differs, recording the cast (for ``eqn``) for explain."""
     aval = aval_of(x)
@@ -161,7 +209,7 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
             return hit[1]
     ctx.record(
         op="convert_element_type",
-        source=_rows.source(eqn) if eqn is not None else "",
+        source=source_of(eqn, ctx) if eqn is not None else "",
         scope=scope,
         category="cast",
         in_before=(),
@@ -169,7 +217,7 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
         out_before=(),
         out_after=(dtype.name,),
     )
-    out = round_once(jax.lax.convert_element_type(x, dtype), aval.dtype)
+    out = _cast_call(x, aval, dtype)
     if memo is not None:
         memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
     return out
@@ -182,8 +230,23 @@ def bind(eqn: JaxprEqn, invals: Sequence[Any], params: Mapping[str, Any]) -> lis
     return list(out) if prim.multiple_results else [out]
 
 
-def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Context, prefix: str) -> list[Any]:
-    """Evaluates ``jaxpr`` on ``args``, rewriting each equation; returns the outputs."""
+def eval_jaxpr(
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    ctx: Context,
+    prefix: str,
+    call: JaxprEqn | None = None,
+    hints: Sequence[tuple[int, tuple[bool, bool]]] = (),
+) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args``, rewriting each equation; returns the outputs.
+
+    ``call``: ``jaxpr`` is the body of this equation of the jaxpr being
+    evaluated, inlined into the same trace: it shares that jaxpr's cast cache,
+    and the epilogue rule sees through its inputs to the caller's program.
+    ``hints``: ``(equation index, epilogue sides)`` for a helper body rewritten
+    on its own (``_provenance.Frame.hints``).
+    """
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
@@ -193,21 +256,26 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], ctx: Co
         env[v] = x
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
-    ctx.memos.append({})  # a value cast for two uses is cast once
-    ctx.producers.append({v: e for e in jaxpr.eqns for v in e.outvars} if ctx.rules.jax_epilogue else {})
+    inlined = call is not None and bool(ctx.frames) and bool(ctx.memos)
+    ctx.memos.append(ctx.memos[-1] if inlined else {})  # a value cast for two uses is cast once
+    frame = frame_of(jaxpr, ctx.frames[-1], call.invars) if inlined and call else frame_of(jaxpr)
+    if hints:
+        frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
+    ctx.frames.append(frame)
     try:
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
             scope = _join(prefix, str(eqn.source_info.name_stack))
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            tb = ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback
+            with source_info_util.user_context(tb, name_stack=name_stack), eqn.ctx.manager:
                 outs = rewrite_eqn(eqn, invals, ctx, scope)
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
         return [read(v) for v in jaxpr.outvars]
     finally:
         ctx.memos.pop()
-        ctx.producers.pop()
+        ctx.frames.pop()
 
 
 def transform_closed(
@@ -216,8 +284,10 @@ def transform_closed(
     ctx: Context,
     prefix: str,
     out_dtypes: Sequence[Any] | None = None,
+    hints: tuple[tuple[int, tuple[bool, bool]], ...] = (),
 ) -> ClosedJaxpr:
     """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free).
+    ``hints``: see ``eval_jaxpr``.
 
     Results are memoised on the jaxpr object and the configuration, for
     jaxprs without constants (so no cached entry keeps arrays or tracers
@@ -228,12 +298,12 @@ def transform_closed(
     key = None
     if ctx.records is None and not closed.consts:
         dts = None if out_dtypes is None else tuple(out_dtypes)
-        key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts)
+        key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts, hints)
         hit = _CACHE.get(key)
         if hit is not None:
             _CACHE.move_to_end(key)
             return hit
-    result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes)
+    result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes, hints)
     if key is not None:
         _CACHE[key] = result
         if len(_CACHE) > _CACHE_SIZE:
@@ -251,9 +321,10 @@ def _transform_closed(
     ctx: Context,
     prefix: str,
     out_dtypes: Sequence[Any] | None,
+    hints: tuple[tuple[int, tuple[bool, bool]], ...] = (),
 ) -> ClosedJaxpr:
     def fun(*args: Any) -> list[Any]:
-        outs = eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, prefix)
+        outs = eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, prefix, hints=hints)
         if out_dtypes is None:
             return outs
         return [o if d is None else cast(o, d, ctx) for o, d in zip(outs, out_dtypes, strict=True)]
@@ -270,13 +341,18 @@ def restore(eqn: JaxprEqn, invals: Sequence[Any], ctx: Context, scope: str = "")
     return out
 
 
+def source_of(eqn: JaxprEqn, ctx: Context) -> str:
+    """The user's source line of ``eqn`` (inside an inline helper: of the helper's call)."""
+    return _rows.source(eqn, ctx.tracebacks[-1] if ctx.tracebacks else None)
+
+
 def record_eqn(eqn: JaxprEqn, ctx: Context, scope: str, category: str, invals: Sequence[Any], outs: Sequence[Any]):
     """Adds an explain row for ``eqn`` (when recording)."""
     if ctx.records is None:
         return
     ctx.record(
         op=eqn.primitive.name,
-        source=_rows.source(eqn),
+        source=source_of(eqn, ctx),
         scope=scope,
         category=category,
         in_before=_float_names([v.aval for v in eqn.invars]),
@@ -291,7 +367,7 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     """Rewrites and binds one equation; returns its outputs."""
     prim = eqn.primitive
     mode, policy = ctx.resolve(scope)
-    if mode == "nested" or prim.name in OPAQUE or prim.name in EXACT_DTYPE:
+    if (mode == "nested" and not is_inline_call(eqn)) or prim.name in OPAQUE or prim.name in EXACT_DTYPE:
         invals = restore(eqn, invals, ctx, scope)
         outs = bind(eqn, invals, eqn.params)
         record_eqn(eqn, ctx, scope, "nested" if mode == "nested" else "opaque", invals, outs)

@@ -9,18 +9,20 @@ moves one of these names, this is the only file to change.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax.extend.linear_util as lu
-from jax._src import api_util
+from jax._src import api_util, core
 from jax._src.core import Primitive
 from jax._src.interpreters import partial_eval as pe
 from jax._src.shard_map import shard_map_p
 from jax.extend.core import ClosedJaxpr
-from jax.extend.core.primitives import closed_call_p
+from jax.extend.core.primitives import closed_call_p, jit_p
 
 try:  # FlatTree: the container shard_map's body function returns since JAX 0.10
     from jax._src.tree_util import FlatTree
@@ -134,3 +136,56 @@ def rewrap_bwd(bwd: Any, run: Callable[[Callable[..., Any], Sequence[Any]], list
 def user_function(wrapped: Any) -> Any:
     """The user's function inside a ``WrappedFun`` (the custom_vjp bwd rule as written)."""
     return getattr(wrapped, "f", None)
+
+
+# --- keeping jnp's inline helpers as calls while autocast traces a function --------------------------------------
+# JAX inlines a ``jit(..., inline=True)`` call (jnp's helpers) when it stages it into a jaxpr; no public switch
+# keeps it. While ``keep_inline_calls`` is active, the staging rule below records such a call as a ``jit``
+# equation instead, but only in the one trace that was current when it was entered (the trace of the user's
+# function, not the traces of helper bodies or loop bodies inside it). Every other trace stages as JAX does.
+_KEEP = threading.local()
+_STAGE_JIT = pe.custom_staging_rules[jit_p]
+
+
+def _stage_jit(trace: Any, source_info: Any, *args: Any, **params: Any) -> Any:
+    if params.get("inline") and getattr(_KEEP, "trace", None) is trace and _plain_body(params["jaxpr"]):
+        return trace.default_process_primitive(jit_p, args, params, source_info=source_info)
+    return _STAGE_JIT(trace, source_info, *args, **params)
+
+
+def _plain_body(closed: ClosedJaxpr) -> bool:
+    """No mutable references among the body's constants or inputs (JAX's own staging handles those)."""
+    if any(isinstance(c, core.Ref) for c in closed.consts):
+        return False
+    return not any(getattr(v, "initial_qdd", None) for v in (*closed.jaxpr.constvars, *closed.jaxpr.invars))
+
+
+pe.custom_staging_rules[jit_p] = _stage_jit
+
+
+@contextlib.contextmanager
+def keep_inline_calls() -> Iterator[None]:
+    """Within this block, the current trace keeps ``inline=True`` jit calls as equations."""
+    prev = getattr(_KEEP, "trace", None)
+    _KEEP.trace = core.trace_ctx.trace
+    try:
+        yield
+    finally:
+        _KEEP.trace = prev
+
+
+def staged_call_params(jitted: Callable[[Any], Any], aval: Any) -> dict[str, Any] | None:
+    """The params of the ``jit`` equation ``jitted(x)`` stages for an input of ``aval`` (None: it stages
+    something else), so the call can be bound again without re-deriving them."""
+
+    def fun(x: Any) -> list[Any]:
+        with keep_inline_calls():
+            return [jitted(x)]
+
+    closed = trace_to_closed_jaxpr(fun, [aval], "fmp.autocast")
+    eqns = closed.jaxpr.eqns
+    if closed.consts or len(eqns) != 1 or eqns[0].primitive is not jit_p:
+        return None
+    if list(eqns[0].invars) != list(closed.jaxpr.invars) or list(eqns[0].outvars) != list(closed.jaxpr.outvars):
+        return None
+    return dict(eqns[0].params)

@@ -10,15 +10,26 @@ statistic back to a low-precision dtype is dropped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend.core import JaxprEqn, Literal
+from jax.extend.core import JaxprEqn
 from jax.extend.core.primitives import convert_element_type_p
 
 from fmp._autocast._float8 import float8
-from fmp._autocast._interp import Context, _is_castable, aval_of, bind, cast, dtype_name, record_eqn, round_once
+from fmp._autocast._interp import (
+    Context,
+    _is_castable,
+    aval_of,
+    bind,
+    cast,
+    dtype_name,
+    is_constant,
+    record_eqn,
+    round_once,
+)
+from fmp._autocast._provenance import epilogue_sides
 from fmp._core import _dtypes
 from fmp._core._rules import Category, decide
 from fmp._policy import Policy
@@ -55,6 +66,9 @@ def _user_cast(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     rule = "user_cast"
     if aval.dtype == new_dtype and aval.weak_type == eqn.params.get("weak_type", False):
         outs = [x]
+    elif is_constant(x) and not np.shape(x) and _is_castable(new_dtype):
+        # a scalar constant (a literal passed into an inlined helper): folded, as JAX folds it when it inlines
+        outs = [float(x) if eqn.params.get("weak_type", False) else np.asarray(x, dtype=new_dtype)]
     elif _is_statistic_rounding(eqn, aval.dtype):
         outs, rule = [x], "statistic"
     else:
@@ -70,7 +84,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     orig = [v.aval for v in eqn.invars]
     floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and _is_castable(a.dtype)]
     # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
-    follow = {i for i in floats if cur[i].weak_type or (isinstance(eqn.invars[i], Literal) and not cur[i].shape)}
+    follow = {i for i in floats if cur[i].weak_type or (is_constant(invals[i]) and not cur[i].shape)}
     strong = [dtype_name(cur[i].dtype) for i in floats if i not in follow]
     compute = policy.compute_dtype.name
     if category is Category.BANNED and compute == "float16" and floats:
@@ -104,42 +118,11 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     return outs
 
 
-# Ops an epilogue operand is traced back through: they move or re-view a value
-# without computing on it.
-_PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
-
-
-def _root(var: Any, producers: Mapping[Any, JaxprEqn]) -> tuple[Any, JaxprEqn | None]:
-    """Follows ``var`` back through pass-through ops; returns the root and the equation that made it."""
-    while not isinstance(var, Literal):
-        eqn = producers.get(var)
-        if eqn is None or eqn.primitive.name not in _PASS_THROUGH:
-            return var, eqn
-        var = eqn.invars[0]
-    return var, None
-
-
-def _depends(var: Any, on: Any, producers: Mapping[Any, JaxprEqn]) -> bool:
-    """Whether ``var`` is computed (in this jaxpr) from ``on``."""
-    stack, seen = [var], set()
-    while stack:
-        v = stack.pop()
-        if v is on:
-            return True
-        if isinstance(v, Literal) or v in seen:
-            continue
-        seen.add(v)
-        made = producers.get(v)
-        if made is not None:
-            stack.extend(made.invars)
-    return False
-
-
 def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> bool:
     """The epilogue rule: ``lp_result + bias`` (either order) runs in the compute dtype.
 
     True when the equation has two floating inputs, one of them is in the compute
-    dtype now and comes (through pass-through ops, in this jaxpr) from a
+    dtype now and comes (through pass-through ops, across jnp's helper calls) from a
     ``lower_precision`` equation, and the other comes from a value with fewer
     elements than the result (a bias broadcast over the batch) that is not
     computed from that result: a statistic of the result (a mean, a variance,
@@ -148,18 +131,14 @@ def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) 
     """
     if len(eqn.invars) != 2 or not all(hasattr(a, "dtype") and _is_castable(a.dtype) for a in cur):
         return False
-    producers = ctx.producers[-1] if ctx.producers else {}
-    size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
-    for i in (0, 1):
-        if dtype_name(cur[i].dtype) != compute:
-            continue
-        _, made = _root(eqn.invars[i], producers)
-        if made is None or ctx.rules.category(made.primitive.name) not in (Category.LOWER_PRECISION, Category.FLOAT8):
-            continue
-        other, _ = _root(eqn.invars[1 - i], producers)
-        if int(np.prod(other.aval.shape, dtype=np.int64)) < size and not _depends(other, made.outvars[0], producers):
-            return True
-    return False
+    if not ctx.frames:
+        return False
+    frame = ctx.frames[-1]
+    sides = frame.hints.get(id(eqn)) or epilogue_sides(eqn, frame, lambda name: ctx.rules.category(name) in _LOW)
+    return any(ok and dtype_name(cur[i].dtype) == compute for i, ok in enumerate(sides))
+
+
+_LOW = (Category.LOWER_PRECISION, Category.FLOAT8)
 
 
 def _preferred(eqn: JaxprEqn, target: str) -> Any:

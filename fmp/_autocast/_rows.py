@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from jax.extend import source_info_util
 from jax.extend.core import JaxprEqn
 
 
-def source(eqn: JaxprEqn) -> str:
-    """The user's source line of ``eqn`` (``""`` when unknown)."""
+def source(eqn: JaxprEqn, traceback: Any = None) -> str:
+    """The user's source line of ``eqn`` (``""`` when unknown); ``traceback`` replaces the equation's own."""
     try:
-        return source_info_util.summarize(eqn.source_info)
+        info = eqn.source_info if traceback is None else eqn.source_info.replace(traceback=traceback)
+        return source_info_util.summarize(info)
     except Exception:  # noqa: BLE001 - a report line must never break the rewrite
         return ""
 

@@ -1,0 +1,175 @@
+"""jnp's small jitted helpers: kept as calls where that decides exactly as inlining them would.
+
+``jnp.add``, ``matmul``, ``einsum``, ``mean``, ``where``... are
+``jit(..., inline=True)`` functions; JAX inlines them when it stages a
+program, and autocast traces the user's function with them kept as ``jit``
+equations instead (``_jax_internals.keep_inline_calls``). Each is then either
+
+- **kept**: its body is rewritten once per input types (memoised, so repeated
+  layers and repeated traces get the same rewritten object) and bound as a
+  call, which lets JAX reuse its cached differentiation of that body, the
+  larger part of the cost of tracing ``grad`` of an autocast function; or
+- **inlined** here, exactly as JAX would have inlined it.
+
+A helper is kept only where its body, rewritten on its own, makes the same
+decisions as inlined (``keep_call``: the one rule that looks into the
+caller's program, the epilogue rule, is handed its answer from there); a test
+compares the two over whole models. Scalar constants passed to a helper (``x * 0.5``) are folded into its
+body first (``_specialise``), as JAX's inlining folds them, so the rule that a
+scalar literal follows the other operand still sees a literal.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, jaxpr_as_fun
+from jax.extend.core.primitives import convert_element_type_p
+
+from fmp._autocast import _jax_internals
+from fmp._autocast._interp import (
+    Context,
+    _is_castable,
+    aval_of,
+    bind,
+    cast,
+    eval_jaxpr,
+    is_constant,
+    like_avals,
+    transform_closed,
+)
+from fmp._autocast._provenance import epilogue_eqns_at_inputs, epilogue_sides, frame_of
+from fmp._core._rules import Category
+
+# False: every helper is inlined (the reference the kept calls are tested against)
+KEEP_HELPERS = True
+
+_LOW = (Category.LOWER_PRECISION, Category.FLOAT8)
+
+
+def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """Rewrites one inline helper call: kept as a call with a rewritten body, or inlined."""
+    ctx.tracebacks.append(ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback)
+    try:
+        closed, operands, params, args = eqn.params["jaxpr"], list(eqn.invars), dict(eqn.params), list(invals)
+        if _can_keep(ctx) and any(is_constant(x) and not np.shape(x) for x in invals):
+            closed, operands, params, args = _specialise(eqn, invals)
+        hints = keep_call(closed, operands, args, ctx)
+        if hints is None:
+            orig = eqn.params["jaxpr"]
+            return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
+        mark = None if ctx.records is None else len(ctx.records)
+        new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
+        entry = _entry_casts(new)
+        if entry:  # cast those inputs here instead, where the caller's other uses share the cast
+            if mark is not None and ctx.records is not None:
+                del ctx.records[mark:]
+            args = [cast(x, entry[i], ctx, eqn, scope) if i in entry else x for i, x in enumerate(args)]
+            new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
+    finally:
+        ctx.tracebacks.pop()
+    return bind(eqn, args, dict(params, jaxpr=new))
+
+
+def _can_keep(ctx: Context) -> bool:
+    # float8: delayed-scaling sites are numbered in the flat program, so every helper is inlined
+    fp8 = ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.overrides)
+    return KEEP_HELPERS and not fp8 and bool(ctx.frames)
+
+
+def keep_call(
+    closed: ClosedJaxpr, operands: list[Any], invals: list[Any], ctx: Context
+) -> tuple[tuple[int, tuple[bool, bool]], ...] | None:
+    """How ``closed`` (a helper body called with ``operands``) is rewritten alone to decide as inlined.
+
+    None: inline it (float8 runs, see ``_can_keep``; a scalar constant is
+    still an operand; or the body holds an inline call of its own). Otherwise
+    the epilogue hints for the body: the epilogue test of each of its
+    equations that sees through its inputs, run in the caller's program
+    where that differs from the test on the body alone (``x @ w + b`` with
+    ``+`` in its own helper).
+    """
+    if not _can_keep(ctx) or any(is_constant(x) and not np.shape(x) for x in invals):
+        return None
+    body = closed.jaxpr
+    at_inputs = epilogue_eqns_at_inputs(body, ctx.rules.jax_epilogue)
+    if at_inputs is None:
+        return None
+    if not at_inputs:
+        return ()
+    inlined, alone = frame_of(body, ctx.frames[-1], operands), frame_of(body)
+
+    def is_low(name: str) -> bool:
+        return ctx.rules.category(name) in _LOW
+
+    hints = []
+    for n, e in at_inputs:
+        sides = epilogue_sides(e, inlined, is_low)
+        if sides != epilogue_sides(e, alone, is_low):
+            hints.append((n, sides))
+    return tuple(hints)
+
+
+def _entry_casts(body: ClosedJaxpr) -> dict[int, Any]:
+    """``{input index: dtype}`` for the inputs a rewritten body only ever casts, all to one dtype.
+
+    Inlined, such a cast would share the caller's cast cache (one cast of a
+    value for all its uses, one sum of their gradients in the wider dtype);
+    cast at the call instead, it still does.
+    """
+    index = {v: i for i, v in enumerate(body.jaxpr.invars)}
+    to: dict[int, Any] = {}
+    bad: set[int] = {index[v] for v in body.jaxpr.outvars if not isinstance(v, Literal) and v in index}
+    for e in body.jaxpr.eqns:
+        for v in e.invars:
+            i = None if isinstance(v, Literal) else index.get(v)
+            if i is None:
+                continue
+            if e.primitive is convert_element_type_p and _is_castable(e.params["new_dtype"]):
+                if to.setdefault(i, e.params["new_dtype"]) != e.params["new_dtype"]:
+                    bad.add(i)
+            else:
+                bad.add(i)
+    return {i: d for i, d in to.items() if i not in bad}
+
+
+# The per-invar parameters of a ``jit`` equation (one entry per operand).
+_PER_OPERAND = ("in_shardings", "in_layouts", "donated_invars")
+
+_SPECIAL: collections.OrderedDict[tuple, tuple[ClosedJaxpr, ClosedJaxpr]] = collections.OrderedDict()
+_SPECIAL_SIZE = 1024
+
+
+def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any], dict[str, Any], list[Any]]:
+    """The helper with its scalar-constant operands folded into its body: ``(body, operands, params, args)``.
+
+    The body is re-traced with the constants in place (JAX folds their casts
+    into literals, as its inlining does) and memoised per body and constants.
+    """
+    closed: ClosedJaxpr = eqn.params["jaxpr"]
+    fixed = {i: x for i, x in enumerate(invals) if is_constant(x) and not np.shape(x)}
+    key = (id(closed), tuple((i, type(x).__name__, repr(x), str(aval_of(x))) for i, x in fixed.items()))
+    hit = _SPECIAL.get(key)
+    if hit is not None and hit[0] is closed:
+        _SPECIAL.move_to_end(key)
+        body = hit[1]
+    else:
+        fun = jaxpr_as_fun(closed)
+        keep = [i for i in range(len(invals)) if i not in fixed]
+
+        def specialised(*xs: Any) -> list[Any]:
+            it = iter(xs)
+            return list(fun(*[fixed[i] if i in fixed else next(it) for i in range(len(invals))]))
+
+        body = _jax_internals.trace_to_closed_jaxpr(specialised, [closed.in_avals[i] for i in keep], "fmp.autocast")
+        _SPECIAL[key] = (closed, body)  # holds ``closed``, so its id is not reused while cached
+        if len(_SPECIAL) > _SPECIAL_SIZE:
+            _SPECIAL.popitem(last=False)
+    keep = [i for i in range(len(invals)) if i not in fixed]
+    params = dict(eqn.params)
+    for name in _PER_OPERAND:
+        if name in params:
+            params[name] = tuple(params[name][i] for i in keep)
+    return body, [eqn.invars[i] for i in keep], params, [invals[i] for i in keep]

@@ -1,0 +1,181 @@
+"""Where a value of the original program comes from: the walks behind the epilogue rule.
+
+The rewrite sees the program as JAX traced it, where jnp's small helpers
+(``jnp.add``, ``matmul``, ``where``, ...) may stay ``jit`` equations
+(``inline=True``) instead of being inlined. A decision that looks at where a
+value comes from must not depend on that: ``x @ w + b`` is the same bias add
+whether the matmul and the add are primitives at the top level or each sits in
+its own helper. So the walks here follow the *original* program across call
+boundaries: down into an inline helper's body from one of its outputs, and up
+from a body's input to the operand at its call (``Frame.alias``).
+
+``root`` follows a value back through ops that move or re-view it
+(``PASS_THROUGH``) to the equation that computed it; ``depends`` tells whether
+one value is computed from another; ``epilogue_sides`` is the epilogue rule's
+structural test. ``epilogue_eqns_at_inputs`` lists what of a helper body could
+decide differently rewritten on its own than inlined (``_hops.keep_call``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend.core import Jaxpr, JaxprEqn, Literal
+from jax.extend.core.primitives import jit_p
+
+# Ops a value is traced back through: they move or re-view it without computing on it.
+PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """The producers of the jaxprs on one path of the program, and the links from bodies up to their calls.
+
+    ``producers`` maps a variable to the equation that made it; ``alias`` maps
+    a body's input variable to the operand its call passed (an inlined body, or
+    a body a walk went down into); ``hints`` carries, into a helper body
+    rewritten on its own, the epilogue test of those of its equations that see
+    through its inputs, as run in the caller's program.
+    """
+
+    producers: Mapping[Any, JaxprEqn]
+    alias: Mapping[Any, Any]
+    # id(equation) -> its epilogue sides as seen from the caller's program (a helper body rewritten alone)
+    hints: Mapping[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)
+
+
+_PRODUCERS: collections.OrderedDict[int, tuple[Jaxpr, dict[Any, JaxprEqn]]] = collections.OrderedDict()
+_PRODUCERS_SIZE = 512
+
+
+def _producers(jaxpr: Jaxpr) -> dict[Any, JaxprEqn]:
+    hit = _PRODUCERS.get(id(jaxpr))
+    if hit is not None and hit[0] is jaxpr:
+        _PRODUCERS.move_to_end(id(jaxpr))
+        return hit[1]
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    _PRODUCERS[id(jaxpr)] = (jaxpr, made)  # holds the jaxpr, so its id is not reused while cached
+    if len(_PRODUCERS) > _PRODUCERS_SIZE:
+        _PRODUCERS.popitem(last=False)
+    return made
+
+
+def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] | None = None) -> Frame:
+    """The frame of ``jaxpr``: alone, or (with ``parent`` and ``operands``) as a body called in ``parent``
+    with ``operands`` (variables of ``parent``) as its inputs."""
+    own = _producers(jaxpr)
+    if parent is None or operands is None:
+        return Frame(own, {})
+    alias = dict(zip(jaxpr.invars, operands, strict=True))
+    return Frame(collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias))
+
+
+def is_inline_call(eqn: JaxprEqn) -> bool:
+    """A ``jit`` equation JAX would inline when staging (jnp's helpers are ``jit(..., inline=True)``)."""
+    return eqn.primitive is jit_p and bool(eqn.params.get("inline"))
+
+
+def _up(var: Any, frame: Frame) -> Any:
+    while not isinstance(var, Literal) and var in frame.alias:
+        var = frame.alias[var]
+    return var
+
+
+def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, Any]:
+    """``(root, eqn, anchor)``: the value ``var`` re-views, the equation that computed it, and where it enters.
+
+    ``eqn`` is None for a program input or a literal. ``anchor`` is the
+    variable of ``frame``'s path that carries the root: the root itself, or the
+    output of the inline call the walk went down into.
+    """
+    anchor = None
+    while True:
+        var = _up(var, frame)
+        if isinstance(var, Literal):
+            return var, None, var if anchor is None else anchor
+        eqn = frame.producers.get(var)
+        if eqn is not None and is_inline_call(eqn):
+            if anchor is None:
+                anchor = var
+            body = eqn.params["jaxpr"].jaxpr
+            k = next(i for i, o in enumerate(eqn.outvars) if o is var)
+            frame, var = frame_of(body, frame, eqn.invars), body.outvars[k]
+            continue
+        if eqn is None or eqn.primitive.name not in PASS_THROUGH:
+            return var, eqn, var if anchor is None else anchor
+        var = eqn.invars[0]
+
+
+def depends(var: Any, on: Any, frame: Frame) -> bool:
+    """Whether ``var`` is computed from ``on`` (both on ``frame``'s path; a call's outputs count as
+    computed from all of its operands)."""
+    stack, seen = [var], set()
+    while stack:
+        v = _up(stack.pop(), frame)
+        if v is on:
+            return True
+        if isinstance(v, Literal) or v in seen:
+            continue
+        seen.add(v)
+        made = frame.producers.get(v)
+        if made is not None:
+            stack.extend(made.invars)
+    return False
+
+
+def epilogue_sides(eqn: JaxprEqn, frame: Frame, is_low: Callable[[str], bool]) -> tuple[bool, bool]:
+    """For each operand of a binary ``eqn``: whether it could be the matmul side of an epilogue.
+
+    Operand ``i`` qualifies when it comes (through pass-through ops and helper
+    calls) from an equation whose primitive ``is_low`` (a matmul or
+    convolution), and the other operand comes from a value with fewer elements
+    than the result that is not computed from that one: a bias, not a
+    statistic of the result. The caller checks the dtypes.
+    """
+    size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+    sides = []
+    for i in (0, 1):
+        _, made, anchor = root(eqn.invars[i], frame)
+        ok = made is not None and is_low(made.primitive.name)
+        if ok:
+            other, _, other_anchor = root(eqn.invars[1 - i], frame)
+            small = int(np.prod(other.aval.shape, dtype=np.int64)) < size
+            ok = small and not depends(other_anchor, anchor, frame)
+        sides.append(ok)
+    return sides[0], sides[1]
+
+
+_AT_INPUTS: collections.OrderedDict[tuple[int, frozenset[str]], tuple[Jaxpr, Any]] = collections.OrderedDict()
+
+
+def epilogue_eqns_at_inputs(body: Jaxpr, epilogue: frozenset[str]) -> tuple[tuple[int, JaxprEqn], ...] | None:
+    """The epilogue-rule equations of ``body`` with an operand that is (a re-view of) a body input.
+
+    Only these can decide differently with ``body`` rewritten alone than
+    inlined: the rule would look through that input into the caller's program.
+    None when ``body`` holds an inline call of its own (not looked into).
+    """
+    key = (id(body), epilogue)
+    hit = _AT_INPUTS.get(key)
+    if hit is not None and hit[0] is body:
+        return hit[1]
+    frame = frame_of(body)
+    invars = set(body.invars)
+    found: list[tuple[int, JaxprEqn]] | None = []
+    for n, e in enumerate(body.eqns):
+        if is_inline_call(e):
+            found = None
+            break
+        if e.primitive.name in epilogue and len(e.invars) == 2:
+            roots = [root(v, frame)[0] for v in e.invars]
+            if any(not isinstance(r, Literal) and r in invars for r in roots):
+                found.append((n, e))
+    out = None if found is None else tuple(found)
+    _AT_INPUTS[key] = (body, out)
+    if len(_AT_INPUTS) > _PRODUCERS_SIZE:
+        _AT_INPUTS.popitem(last=False)
+    return out
