@@ -58,7 +58,7 @@ def test_imports_point_downward():
 
 
 def test_autocast_modules_form_no_cycle():
-    # fmp._autocast: the interpreter core (_interp, with its row helpers _rows) at the bottom; rules, handlers, the public wrappers and
+    # fmp._autocast: the interpreter core (_interp on _context and _cast, with _rows and _provenance) at the bottom; rules, handlers, the public wrappers and
     # explain stand on it. Every import inside the package (local imports included) must form a DAG.
     pkg = ROOT / "fmp" / "_autocast"
     graph: dict[str, set[str]] = {}
@@ -68,7 +68,9 @@ def test_autocast_modules_form_no_cycle():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fmp._autocast"):
                 mods = [a.name for a in node.names] if node.module == "fmp._autocast" else [node.module.split(".")[2]]
                 deps.update(m for m in mods if (pkg / f"{m}.py").exists())
-    assert graph["_interp"] <= {"_jax_internals", "_rows", "_provenance"}, graph["_interp"]
+    assert graph["_context"] <= {"_rows", "_provenance"}, graph["_context"]
+    assert graph["_cast"] <= {"_context", "_jax_internals"}, graph["_cast"]
+    assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance"}, graph["_interp"]
     assert graph["_provenance"] == set(), graph["_provenance"]
     done: set[str] = set()
 

@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._interp import REGION_SCOPE, Context, aval_of
+from fmp._autocast._context import REGION_SCOPE, Context, aval_of
 from fmp._autocast._transform import run_top
 
 

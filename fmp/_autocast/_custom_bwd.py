@@ -8,7 +8,9 @@ from typing import Any
 import jax
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._interp import Context, aval_of, cast, eval_jaxpr
+from fmp._autocast._cast import cast
+from fmp._autocast._context import Context, aval_of
+from fmp._autocast._interp import eval_jaxpr
 
 # The attribute fmp.bwd_as_written sets on a custom_vjp bwd rule.
 BWD_AS_WRITTEN = "__fmp_bwd_as_written__"

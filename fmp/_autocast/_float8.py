@@ -15,7 +15,7 @@ import numpy as np
 from jax.extend.core import JaxprEqn
 
 from fmp._autocast import _rows
-from fmp._autocast._interp import Context, _float_names, aval_of, source_of
+from fmp._autocast._context import Context, aval_of, float_names, source_of
 from fmp._core._rules import Category
 from fmp._fp8 import _bind as _fp8
 from fmp._policy import Policy
@@ -43,10 +43,10 @@ def float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: P
             source=source_of(eqn, ctx),
             scope=scope,
             category=Category.FLOAT8.value,
-            in_before=_float_names([v.aval for v in eqn.invars]),
+            in_before=float_names([v.aval for v in eqn.invars]),
             in_after=("float8_e4m3fn", "float8_e4m3fn"),
-            out_before=_float_names([v.aval for v in eqn.outvars]),
-            out_after=_float_names([aval_of(x) for x in outs]),
+            out_before=float_names([v.aval for v in eqn.outvars]),
+            out_after=float_names([aval_of(x) for x in outs]),
             flops=_rows.flops(eqn),
             detail=_fp8.scaling_label(recipe, eqn.primitive.name, site),
         )

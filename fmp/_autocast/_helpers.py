@@ -29,17 +29,9 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, jaxpr_as_fun
 from jax.extend.core.primitives import convert_element_type_p
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._interp import (
-    Context,
-    _is_castable,
-    aval_of,
-    bind,
-    cast,
-    eval_jaxpr,
-    is_constant,
-    like_avals,
-    transform_closed,
-)
+from fmp._autocast._cast import cast
+from fmp._autocast._context import Context, aval_of, is_castable, is_constant, like_avals
+from fmp._autocast._interp import bind, eval_jaxpr, transform_closed
 from fmp._autocast._provenance import epilogue_eqns_at_inputs, epilogue_sides, frame_of
 from fmp._core._rules import Category
 
@@ -127,7 +119,7 @@ def _entry_casts(body: ClosedJaxpr) -> dict[int, Any]:
             i = None if isinstance(v, Literal) else index.get(v)
             if i is None:
                 continue
-            if e.primitive is convert_element_type_p and _is_castable(e.params["new_dtype"]):
+            if e.primitive is convert_element_type_p and is_castable(e.params["new_dtype"]):
                 if to.setdefault(i, e.params["new_dtype"]) != e.params["new_dtype"]:
                     bad.add(i)
             else:

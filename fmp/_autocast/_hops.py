@@ -26,20 +26,11 @@ from jax.extend.core.primitives import (
 )
 
 from fmp._autocast import _hops_calls, _jax_internals
+from fmp._autocast._cast import cast
+from fmp._autocast._context import Context, Handler, aval_of, dtype_name, is_castable, like_avals
 from fmp._autocast._custom_bwd import BWD_AS_WRITTEN, run_bwd
 from fmp._autocast._helpers import helper_call
-from fmp._autocast._interp import (
-    Context,
-    Handler,
-    _is_castable,
-    aval_of,
-    bind,
-    cast,
-    dtype_name,
-    eval_jaxpr,
-    like_avals,
-    transform_closed,
-)
+from fmp._autocast._interp import bind, eval_jaxpr, transform_closed
 from fmp._autocast._provenance import is_inline_call
 from fmp._core import _dtypes as _dtypes_mod
 
@@ -95,7 +86,7 @@ def _loop_body(
     nk = len(carry_avals)
     body: ClosedJaxpr | None = None
     dts = [
-        aval_of(x).dtype if hasattr(a, "dtype") and _is_castable(a.dtype) and _is_castable(aval_of(x).dtype) else None
+        aval_of(x).dtype if hasattr(a, "dtype") and is_castable(a.dtype) and is_castable(aval_of(x).dtype) else None
         for x, a in zip(init, carry_avals, strict=True)
     ]
     for _ in range(_MAX_ROUNDS):

@@ -16,7 +16,9 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._interp import Context, Handler, bind, like_avals, restore, transform_closed
+from fmp._autocast._cast import restore
+from fmp._autocast._context import Context, Handler, like_avals
+from fmp._autocast._interp import bind, transform_closed
 from fmp._core._rules import Category
 from fmp._policy import get_policy
 

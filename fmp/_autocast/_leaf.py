@@ -17,18 +17,10 @@ import numpy as np
 from jax.extend.core import JaxprEqn
 from jax.extend.core.primitives import convert_element_type_p
 
+from fmp._autocast._cast import cast, round_once
+from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, is_constant, record_eqn
 from fmp._autocast._float8 import float8
-from fmp._autocast._interp import (
-    Context,
-    _is_castable,
-    aval_of,
-    bind,
-    cast,
-    dtype_name,
-    is_constant,
-    record_eqn,
-    round_once,
-)
+from fmp._autocast._interp import bind
 from fmp._autocast._provenance import epilogue_sides
 from fmp._core import _dtypes
 from fmp._core._rules import Category, decide
@@ -66,7 +58,7 @@ def _user_cast(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     rule = "user_cast"
     if aval.dtype == new_dtype and aval.weak_type == eqn.params.get("weak_type", False):
         outs = [x]
-    elif is_constant(x) and not np.shape(x) and _is_castable(new_dtype):
+    elif is_constant(x) and not np.shape(x) and is_castable(new_dtype):
         # a scalar constant (a literal passed into an inlined helper): folded, as JAX folds it when it inlines
         outs = [float(x) if eqn.params.get("weak_type", False) else np.asarray(x, dtype=new_dtype)]
     elif _is_statistic_rounding(eqn, aval.dtype):
@@ -82,7 +74,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     category = ctx.rules.category(prim.name)
     cur = [aval_of(x) for x in invals]
     orig = [v.aval for v in eqn.invars]
-    floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and _is_castable(a.dtype)]
+    floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and is_castable(a.dtype)]
     # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
     follow = {i for i in floats if cur[i].weak_type or (is_constant(invals[i]) and not cur[i].shape)}
     strong = [dtype_name(cur[i].dtype) for i in floats if i not in follow]
@@ -129,7 +121,7 @@ def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) 
     a maximum) is no bias, so normalisation and max-subtraction take the
     normal promotion.
     """
-    if len(eqn.invars) != 2 or not all(hasattr(a, "dtype") and _is_castable(a.dtype) for a in cur):
+    if len(eqn.invars) != 2 or not all(hasattr(a, "dtype") and is_castable(a.dtype) for a in cur):
         return False
     if not ctx.frames:
         return False

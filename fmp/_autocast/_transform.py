@@ -16,7 +16,9 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr
 
 from fmp._autocast import _hops, _leaf
-from fmp._autocast._interp import Context, _is_castable, _transform_closed, cast, dtype_name, eval_jaxpr
+from fmp._autocast._cast import cast
+from fmp._autocast._context import Context, dtype_name, is_castable
+from fmp._autocast._interp import _transform_closed, eval_jaxpr
 from fmp._core._report import OpRecord
 from fmp._core._rules import DEFAULT_RULES, RuleSet
 from fmp._policy import Policy, get_policy
@@ -136,7 +138,7 @@ def autocast_jaxpr(
 def _top_out_dtypes(closed: ClosedJaxpr, ctx: Context) -> list[Any]:
     """float32 outputs -> the policy's output dtype; other floating outputs keep their dtype."""
     return [
-        ctx.policy.output_dtype if dtype_name(a.dtype) == "float32" else a.dtype if _is_castable(a.dtype) else None
+        ctx.policy.output_dtype if dtype_name(a.dtype) == "float32" else a.dtype if is_castable(a.dtype) else None
         for a in closed.out_avals
     ]
 

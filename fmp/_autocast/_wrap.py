@@ -10,8 +10,8 @@ import jax
 
 from fmp._autocast._args import graph_nodes, run_with_graph_state, trace
 from fmp._autocast._checks import check_args, warn_no_effect
+from fmp._autocast._context import REGION_SCOPE
 from fmp._autocast._custom_bwd import BWD_AS_WRITTEN
-from fmp._autocast._interp import REGION_SCOPE
 from fmp._autocast._transform import configure, make_context, rewrite_top, run_top
 from fmp._core._rules import RuleSet
 from fmp._fp8._state import Float8State, SiteFeeder

@@ -1,0 +1,110 @@
+"""Casts inside the rewrite: one rounding per low-precision value, one cast per value and dtype.
+
+``cast`` converts a value for the rewritten program, reusing the cast made
+for an earlier use of the same value in the same trace (the interpreter keeps
+one cache per jaxpr, ``Context.memos``) and recording it for explain;
+``restore`` gives an equation back the dtypes the original program had.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import JaxprEqn
+from jax.extend.core.primitives import jit_p
+
+from fmp._autocast import _jax_internals
+from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, source_of
+from fmp._core import _dtypes
+
+# Cached ``jit`` equations of the cast helper, per input type (least recently used dropped first).
+_CACHE_SIZE = 1024
+
+
+def round_once(up: Any, src: Any) -> Any:
+    """``up`` (a value cast up from ``src``) with ``src``'s rounding made explicit.
+
+    One rounding for every consumer: inside a fusion XLA may drop a convert pair
+    float32 -> bfloat16 -> float32 (excess precision), so a consumer reading the
+    value through a cast up would see the producer's unrounded float32 result
+    while another consumer of the same bfloat16 value sees it rounded (a
+    cross-entropy then goes negative under ``jit``). ``reduce_precision`` is never
+    dropped and rounds as the convert does, so ``jit`` equals eager; where XLA
+    keeps the pair it changes nothing.
+    """
+    src, dst = dtype_name(src), dtype_name(aval_of(up).dtype)
+    if src not in _dtypes.LOW_PRECISION or dst not in _dtypes.CASTABLE or _dtypes.widest([src, dst]) != dst:
+        return up
+    exponent, mantissa = _dtypes.FORMAT_BITS[src]
+    return jax.lax.reduce_precision(up, exponent_bits=exponent, mantissa_bits=mantissa)
+
+
+@functools.cache
+def _cast_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
+    """``x -> round_once(convert(x, dst), src)`` as a jitted helper (``inline=True``, like jnp's): JAX
+    caches its differentiation per input type instead of linearizing the cast at every use."""
+
+    def convert(x: Any) -> Any:
+        return round_once(jax.lax.convert_element_type(x, dst), src)
+
+    return jax.jit(convert, inline=True)
+
+
+_CAST_CALLS: collections.OrderedDict[tuple[Any, str, Any], dict[str, Any] | None] = collections.OrderedDict()
+
+
+def _cast_call(x: Any, aval: Any, dtype: Any) -> Any:
+    """``_cast_fn(...)(x)``, bound as the ``jit`` equation that call would stage, reused per input type
+    (a call of a jitted function re-derives that equation every time)."""
+    key = (aval, dtype.name, jax.sharding.get_abstract_mesh())
+    if key not in _CAST_CALLS:
+        _CAST_CALLS[key] = _jax_internals.staged_call_params(_cast_fn(aval.dtype, dtype), aval)
+        if len(_CAST_CALLS) > _CACHE_SIZE:
+            _CAST_CALLS.popitem(last=False)
+    params = _CAST_CALLS[key]
+    if params is None:
+        return _cast_fn(aval.dtype, dtype)(x)
+    return jit_p.bind(x, **params)[0]
+
+
+def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: str = "") -> Any:
+    """Casts ``x`` to ``dtype`` when it differs, recording the cast (for ``eqn``) for explain."""
+    aval = aval_of(x)
+    if aval.dtype == dtype or not is_castable(aval.dtype):
+        return x
+    dtype = np.dtype(dtype)
+    if isinstance(x, int | float | np.ndarray | np.generic) and not isinstance(x, jax.Array):
+        return np.asarray(x, dtype=dtype)
+    memo = ctx.memos[-1] if ctx.memos else None
+    if memo is not None:
+        hit = memo.get((id(x), dtype.name))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+    ctx.record(
+        op="convert_element_type",
+        source=source_of(eqn, ctx) if eqn is not None else "",
+        scope=scope,
+        category="cast",
+        in_before=(),
+        in_after=(dtype_name(aval.dtype),),
+        out_before=(),
+        out_after=(dtype.name,),
+    )
+    out = _cast_call(x, aval, dtype)
+    if memo is not None:
+        memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
+    return out
+
+
+def restore(eqn: JaxprEqn, invals: Sequence[Any], ctx: Context, scope: str = "") -> list[Any]:
+    """Casts every castable float input back to the dtype the original program gave it."""
+    out = []
+    for v, x in zip(eqn.invars, invals, strict=True):
+        want = v.aval.dtype if hasattr(v.aval, "dtype") else None
+        out.append(cast(x, want, ctx, eqn, scope) if want is not None and is_castable(want) else x)
+    return out
