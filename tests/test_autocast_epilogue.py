@@ -131,6 +131,10 @@ def _on(h, f):
         lambda x, w, b: _on(x @ w, lambda h: h - jax.lax.stop_gradient(jnp.max(h, axis=0))),
         # a statistic of the same value through a reshape
         lambda x, w, b: _on((x @ w).reshape(6, 5), lambda h: h - jnp.mean(h, 0)),
+        # ... through jnp's re-viewing helpers (each its own jitted call in the traced program)
+        lambda x, w, b: _on(x @ w[:, :1], lambda h: jnp.squeeze(h, -1) - jnp.mean(h)),
+        lambda x, w, b: _on(x @ w, lambda h: jnp.ravel(h) - jnp.mean(h)),
+        lambda x, w, b: _on(x @ w, lambda h: jnp.swapaxes(h, 0, 1) - jnp.mean(h)),
     ],
 )
 def test_a_statistic_of_the_result_is_no_bias(fn):
@@ -138,6 +142,18 @@ def test_a_statistic_of_the_result_is_no_bias(fn):
     rows = _adds(fn, X, W, B)
     assert rows and rows == _adds(fn, X, W, B, rules=NO_EPILOGUE)
     assert not fmp.explain(fn)(X, W, B).filter(category="epilogue").records
+    # the same through fmp.autocast, which keeps jnp's helpers as calls where it can
+    direct = _autocast_adds(fmp.autocast(fn), X, W, B)
+    assert direct and direct == _autocast_adds(fmp.autocast(fn, rules=NO_EPILOGUE), X, W, B)
+
+
+def _autocast_adds(fn, *args):
+    """(input dtypes, output dtype) of every add/sub in ``fn``'s jaxpr, helper bodies included."""
+    return [
+        (tuple(np.dtype(v.aval.dtype).name for v in e.invars), np.dtype(e.outvars[0].aval.dtype).name)
+        for e in all_eqns(jax.make_jaxpr(fn)(*args))
+        if e.primitive.name in ("add", "sub")
+    ]
 
 
 def test_an_independent_bias_next_to_a_statistic_is_still_a_bias():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import sys
+import threading
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -50,7 +54,9 @@ def _cases():
     yc = jnp.arange(4) % 10
 
     def cnn_loss(params, x):
-        logits, upd = cnn.apply({"params": params, **{k: v for k, v in vc.items() if k != "params"}}, x, mutable=["batch_stats"])
+        logits, upd = cnn.apply(
+            {"params": params, **{k: v for k, v in vc.items() if k != "params"}}, x, mutable=["batch_stats"]
+        )
         ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), yc[:, None], axis=1))
         return ce + 0.0 * jnp.sum(upd["batch_stats"]["BatchNorm_0"]["mean"])
 
@@ -120,3 +126,76 @@ def test_kept_helper_bodies_are_rewritten_once_and_reused(monkeypatch):
     assert all(a is b for a, b in zip(first, again, strict=True))
     # ...and the two identical layers share theirs
     assert len({id(r) for r in first}) < len(first)
+
+
+def test_folded_constants_are_told_apart_by_their_exact_value():
+    # 0.00012345 and 0.000123454 print alike at NumPy's default precision; each function gets its own constant
+    x = jnp.full((2, 3), 1000.0)
+    for c in (np.float32(0.00012345), np.float32(0.000123454), np.float64(0.1), np.float64(0.1 + 1e-12)):
+        got = fmp.autocast(lambda x, c=c: x * c)(x)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(x * c))
+
+
+def test_a_users_own_inline_function_is_inlined_as_jax_does():
+    @functools.partial(jax.jit, inline=True)
+    def layer(x, w):
+        return x @ w + x
+
+    closed, _, _ = _args.trace(lambda x, w: jnp.tanh(layer(x, w)), (jnp.ones((2, 3)), jnp.ones((3, 3))), {})
+    names = [e.params["name"] for e in closed.jaxpr.eqns if is_inline_call(e)]
+    assert "layer" not in names and "tanh" in names
+
+
+def test_hoisted_casts_stay_out_of_nested_regions_and_overrides(monkeypatch):
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8))
+    inner = fmp.autocast(lambda y, w: jnp.tanh(y @ w))
+
+    def scoped(x, w):
+        with jax.named_scope("attn"):
+            h = jnp.tanh(x @ w)
+        return jnp.sum(h @ w)
+
+    cases = [
+        (lambda x, w: inner(x, w).sum(), {}),  # an autocast region inside another
+        (scoped, {"overrides": {"attn": "mixed_float16"}}),
+    ]
+    for fn, kw in cases:
+        out = {}
+        for keep in (False, True):
+            monkeypatch.setattr(_helpers, "KEEP_HELPERS", keep)
+            g = fmp.autocast(fn, **kw)
+            out[keep] = (_flat(jax.make_jaxpr(jax.grad(g))(x, w).jaxpr, []), jax.jit(jax.grad(g))(x, w))
+        assert out[True][0] == out[False][0]
+        np.testing.assert_array_equal(np.asarray(out[True][1]), np.asarray(out[False][1]))
+
+
+def test_rewrite_caches_are_safe_across_threads(monkeypatch):
+    from fmp._autocast import _cast, _interp, _lru
+
+    # tiny caches: every trace evicts what another thread is about to read
+    for mod, name in ((_interp, "_CACHE"), (_cast, "_CAST_CALLS"), (_helpers, "_SPECIAL")):
+        monkeypatch.setattr(mod, name, _lru.LRU(1))
+    errors = []
+
+    def work(seed):
+        try:
+            for i in range(40):
+                n = 2 + (seed + i) % 2
+                jax.make_jaxpr(fmp.autocast(lambda x, w: jnp.tanh(x @ w) * 2.0 + 1.0))(
+                    jnp.ones((n, n + 1)), jnp.ones((n + 1, n))
+                )
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(repr(e))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors[:3]

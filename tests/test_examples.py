@@ -245,7 +245,9 @@ def test_examples_extra_covers_every_example():
     assert len(examples) >= 10
     for path in examples:
         missing = sorted(m for m in _third_party_imports(path) if dist_of.get(m, m) not in dists)
-        assert not missing, f"examples/{path.name} imports {missing}, not in the 'examples'/'torch' extras or the dependencies"
+        assert not missing, (
+            f"examples/{path.name} imports {missing}, not in the 'examples'/'torch' extras or the dependencies"
+        )
     # the README's first command runs main.py, which must not need torch (installed separately)
     assert "torch" not in _third_party_imports(ROOT / "examples" / "main.py")
     # the extra's comment says how to install torch first

@@ -69,9 +69,10 @@ def test_autocast_modules_form_no_cycle():
                 mods = [a.name for a in node.names] if node.module == "fmp._autocast" else [node.module.split(".")[2]]
                 deps.update(m for m in mods if (pkg / f"{m}.py").exists())
     assert graph["_context"] <= {"_rows", "_provenance"}, graph["_context"]
-    assert graph["_cast"] <= {"_context", "_jax_internals"}, graph["_cast"]
-    assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance"}, graph["_interp"]
-    assert graph["_provenance"] == set(), graph["_provenance"]
+    assert graph["_cast"] <= {"_context", "_jax_internals", "_lru"}, graph["_cast"]
+    assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru"}, graph["_interp"]
+    assert graph["_provenance"] <= {"_lru"}, graph["_provenance"]
+    assert graph["_lru"] == set(), graph["_lru"]
     done: set[str] = set()
 
     def visit(mod: str, path: tuple[str, ...]) -> None:
@@ -146,7 +147,9 @@ def test_pyproject_claims_only_what_is_tested():
         assert reqs[name].specifier.contains(jax.__version__), (name, jax.__version__)
         assert not reqs[name].specifier.contains("0.11.0"), f"{name}: 0.11 is untested"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    versions = [c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")]
+    versions = [
+        c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
+    ]
     assert py in versions, (versions, py)
     text = (ROOT / "pyproject.toml").read_text()
     assert "CUDA)" not in text and "0.11.x" not in text

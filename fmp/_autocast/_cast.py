@@ -8,7 +8,6 @@ one cache per jaxpr, ``Context.memos``) and recording it for explain;
 
 from __future__ import annotations
 
-import collections
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,10 +19,10 @@ from jax.extend.core.primitives import jit_p
 
 from fmp._autocast import _jax_internals
 from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, source_of
+from fmp._autocast._lru import LRU
 from fmp._core import _dtypes
 
-# Cached ``jit`` equations of the cast helper, per input type (least recently used dropped first).
-_CACHE_SIZE = 1024
+_MISSING = object()
 
 
 def round_once(up: Any, src: Any) -> Any:
@@ -55,18 +54,16 @@ def _cast_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
     return jax.jit(convert, inline=True)
 
 
-_CAST_CALLS: collections.OrderedDict[tuple[Any, str, Any], dict[str, Any] | None] = collections.OrderedDict()
+_CAST_CALLS = LRU(1024)  # (input aval, dtype, mesh) -> the jit equation's params (None: bind by calling)
 
 
 def _cast_call(x: Any, aval: Any, dtype: Any) -> Any:
     """``_cast_fn(...)(x)``, bound as the ``jit`` equation that call would stage, reused per input type
     (a call of a jitted function re-derives that equation every time)."""
     key = (aval, dtype.name, jax.sharding.get_abstract_mesh())
-    if key not in _CAST_CALLS:
-        _CAST_CALLS[key] = _jax_internals.staged_call_params(_cast_fn(aval.dtype, dtype), aval)
-        if len(_CAST_CALLS) > _CACHE_SIZE:
-            _CAST_CALLS.popitem(last=False)
-    params = _CAST_CALLS[key]
+    params = _CAST_CALLS.get(key, _MISSING)
+    if params is _MISSING:
+        params = _CAST_CALLS.put(key, _jax_internals.staged_call_params(_cast_fn(aval.dtype, dtype), aval))
     if params is None:
         return _cast_fn(aval.dtype, dtype)(x)
     return jit_p.bind(x, **params)[0]

@@ -21,7 +21,6 @@ scalar literal follows the other operand still sees a literal.
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ from fmp._autocast import _jax_internals
 from fmp._autocast._cast import cast
 from fmp._autocast._context import Context, aval_of, is_castable, is_constant, like_avals
 from fmp._autocast._interp import bind, eval_jaxpr, transform_closed
+from fmp._autocast._lru import LRU
 from fmp._autocast._provenance import epilogue_eqns_at_inputs, epilogue_sides, frame_of
 from fmp._core._rules import Category
 
@@ -54,7 +54,7 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
             return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
         mark = None if ctx.records is None else len(ctx.records)
         new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
-        entry = _entry_casts(new)
+        entry = _entry_casts(new) if _can_hoist(ctx, scope) else {}
         if entry:  # cast those inputs here instead, where the caller's other uses share the cast
             if mark is not None and ctx.records is not None:
                 del ctx.records[mark:]
@@ -66,9 +66,17 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
 
 
 def _can_keep(ctx: Context) -> bool:
-    # float8: delayed-scaling sites are numbered in the flat program, so every helper is inlined
+    # float8: delayed-scaling sites are numbered in the flat program, so every helper is inlined;
+    # explain: its rows describe the inlined program (the kept calls decide the same, but a row per cast
+    # and per folded literal is what a reader compares with the source)
     fp8 = ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.overrides)
-    return KEEP_HELPERS and not fp8 and bool(ctx.frames)
+    return KEEP_HELPERS and not fp8 and ctx.records is None and bool(ctx.frames)
+
+
+def _can_hoist(ctx: Context, scope: str) -> bool:
+    # under an override or inside a nested region the body restores its inputs' original dtypes first, so a
+    # cast moved to the call would be undone there (a round trip that changes gradients under jit)
+    return not ctx.overrides and ctx.resolve(scope)[0] == "default"
 
 
 def keep_call(
@@ -130,8 +138,15 @@ def _entry_casts(body: ClosedJaxpr) -> dict[int, Any]:
 # The per-invar parameters of a ``jit`` equation (one entry per operand).
 _PER_OPERAND = ("in_shardings", "in_layouts", "donated_invars")
 
-_SPECIAL: collections.OrderedDict[tuple, tuple[ClosedJaxpr, ClosedJaxpr]] = collections.OrderedDict()
-_SPECIAL_SIZE = 1024
+# (id(body), constants) -> (body, specialised body); holds the body, so its id is not reused while cached
+_SPECIAL = LRU(1024)
+
+
+def _exact(x: Any) -> tuple[str, bytes]:
+    """A scalar constant's exact value (its ``repr`` follows NumPy's print precision: 0.00012345 and
+    0.000123454 print alike)."""
+    a = np.asarray(x)
+    return a.dtype.str, a.tobytes()
 
 
 def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any], dict[str, Any], list[Any]]:
@@ -142,10 +157,9 @@ def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any
     """
     closed: ClosedJaxpr = eqn.params["jaxpr"]
     fixed = {i: x for i, x in enumerate(invals) if is_constant(x) and not np.shape(x)}
-    key = (id(closed), tuple((i, type(x).__name__, repr(x), str(aval_of(x))) for i, x in fixed.items()))
+    key = (id(closed), tuple((i, type(x).__name__, _exact(x), str(aval_of(x))) for i, x in fixed.items()))
     hit = _SPECIAL.get(key)
     if hit is not None and hit[0] is closed:
-        _SPECIAL.move_to_end(key)
         body = hit[1]
     else:
         fun = jaxpr_as_fun(closed)
@@ -156,9 +170,7 @@ def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any
             return list(fun(*[fixed[i] if i in fixed else next(it) for i in range(len(invals))]))
 
         body = _jax_internals.trace_to_closed_jaxpr(specialised, [closed.in_avals[i] for i in keep], "fmp.autocast")
-        _SPECIAL[key] = (closed, body)  # holds ``closed``, so its id is not reused while cached
-        if len(_SPECIAL) > _SPECIAL_SIZE:
-            _SPECIAL.popitem(last=False)
+        _SPECIAL.put(key, (closed, body))
     keep = [i for i in range(len(invals)) if i not in fixed]
     params = dict(eqn.params)
     for name in _PER_OPERAND:

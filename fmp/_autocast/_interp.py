@@ -16,7 +16,6 @@ higher-order primitive, ``_hops``) and ``ctx.leaf`` (every other equation,
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_par
 from fmp._autocast import _jax_internals
 from fmp._autocast._cast import cast, restore
 from fmp._autocast._context import Context, record_eqn
+from fmp._autocast._lru import LRU
 from fmp._autocast._provenance import frame_of, is_inline_call
 
 # Primitives whose sub-jaxpr is a scalar combiner typed for the original dtype,
@@ -140,18 +140,14 @@ def transform_closed(
         key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts, hints)
         hit = _CACHE.get(key)
         if hit is not None:
-            _CACHE.move_to_end(key)
             return hit
     result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes, hints)
     if key is not None:
-        _CACHE[key] = result
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        _CACHE.put(key, result)
     return result
 
 
-_CACHE: collections.OrderedDict = collections.OrderedDict()
-_CACHE_SIZE = 1024
+_CACHE = LRU(1024)
 
 
 def _transform_closed(

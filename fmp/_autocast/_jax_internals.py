@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.extend.linear_util as lu
 from jax._src import api_util, core
 from jax._src.core import Primitive
@@ -148,9 +150,24 @@ _STAGE_JIT = pe.custom_staging_rules[jit_p]
 
 
 def _stage_jit(trace: Any, source_info: Any, *args: Any, **params: Any) -> Any:
-    if params.get("inline") and getattr(_KEEP, "trace", None) is trace and _plain_body(params["jaxpr"]):
+    if (
+        params.get("inline")
+        and getattr(_KEEP, "trace", None) is trace
+        and _jax_own(params["jaxpr"])
+        and _plain_body(params["jaxpr"])
+    ):
         return trace.default_process_primitive(jit_p, args, params, source_info=source_info)
     return _STAGE_JIT(trace, source_info, *args, **params)
+
+
+_JAX_DIR = " at " + os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+
+def _jax_own(closed: ClosedJaxpr) -> bool:
+    """A helper defined by JAX itself (jnp's, jax.nn's), not a user's own ``jit(..., inline=True)``
+    function, which is inlined as JAX does."""
+    info = closed.jaxpr.debug_info
+    return info is not None and _JAX_DIR in (info.func_src_info or "")
 
 
 def _plain_body(closed: ClosedJaxpr) -> bool:

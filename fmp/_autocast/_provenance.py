@@ -27,6 +27,8 @@ import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import jit_p
 
+from fmp._autocast._lru import LRU
+
 # Ops a value is traced back through: they move or re-view it without computing on it.
 PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
 
@@ -48,19 +50,16 @@ class Frame:
     hints: Mapping[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)
 
 
-_PRODUCERS: collections.OrderedDict[int, tuple[Jaxpr, dict[Any, JaxprEqn]]] = collections.OrderedDict()
-_PRODUCERS_SIZE = 512
+# id(jaxpr) -> (jaxpr, its producers); holds the jaxpr, so its id is not reused while cached
+_PRODUCERS = LRU(512)
 
 
 def _producers(jaxpr: Jaxpr) -> dict[Any, JaxprEqn]:
     hit = _PRODUCERS.get(id(jaxpr))
     if hit is not None and hit[0] is jaxpr:
-        _PRODUCERS.move_to_end(id(jaxpr))
         return hit[1]
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
-    _PRODUCERS[id(jaxpr)] = (jaxpr, made)  # holds the jaxpr, so its id is not reused while cached
-    if len(_PRODUCERS) > _PRODUCERS_SIZE:
-        _PRODUCERS.popitem(last=False)
+    _PRODUCERS.put(id(jaxpr), (jaxpr, made))
     return made
 
 
@@ -85,41 +84,41 @@ def _up(var: Any, frame: Frame) -> Any:
     return var
 
 
-def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, Any]:
-    """``(root, eqn, anchor)``: the value ``var`` re-views, the equation that computed it, and where it enters.
+def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
+    """``(root, eqn, path)``: the value ``var`` re-views, the equation that computed it, and the walk's path.
 
-    ``eqn`` is None for a program input or a literal. ``anchor`` is the
-    variable of ``frame``'s path that carries the root: the root itself, or the
-    output of the inline call the walk went down into.
+    ``eqn`` is None for a program input or a literal. ``path`` holds every
+    variable the walk passed through, at every level it went down into (the
+    outputs of the inline calls, what they re-view, the root): a value
+    computed from any of them is computed from the root.
     """
-    anchor = None
+    path: set[Any] = set()
     while True:
         var = _up(var, frame)
         if isinstance(var, Literal):
-            return var, None, var if anchor is None else anchor
+            return var, None, frozenset(path)
+        path.add(var)
         eqn = frame.producers.get(var)
         if eqn is not None and is_inline_call(eqn):
-            if anchor is None:
-                anchor = var
             body = eqn.params["jaxpr"].jaxpr
             k = next(i for i, o in enumerate(eqn.outvars) if o is var)
             frame, var = frame_of(body, frame, eqn.invars), body.outvars[k]
             continue
         if eqn is None or eqn.primitive.name not in PASS_THROUGH:
-            return var, eqn, var if anchor is None else anchor
+            return var, eqn, frozenset(path)
         var = eqn.invars[0]
 
 
-def depends(var: Any, on: Any, frame: Frame) -> bool:
-    """Whether ``var`` is computed from ``on`` (both on ``frame``'s path; a call's outputs count as
-    computed from all of its operands)."""
+def depends(var: Any, on: frozenset[Any], frame: Frame) -> bool:
+    """Whether ``var`` is computed from any variable in ``on`` (walking ``frame``'s path; a call's outputs
+    count as computed from all of its operands)."""
     stack, seen = [var], set()
     while stack:
         v = _up(stack.pop(), frame)
-        if v is on:
-            return True
         if isinstance(v, Literal) or v in seen:
             continue
+        if v in on:
+            return True
         seen.add(v)
         made = frame.producers.get(v)
         if made is not None:
@@ -139,17 +138,17 @@ def epilogue_sides(eqn: JaxprEqn, frame: Frame, is_low: Callable[[str], bool]) -
     size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
     sides = []
     for i in (0, 1):
-        _, made, anchor = root(eqn.invars[i], frame)
+        _, made, path = root(eqn.invars[i], frame)
         ok = made is not None and is_low(made.primitive.name)
         if ok:
-            other, _, other_anchor = root(eqn.invars[1 - i], frame)
+            other = root(eqn.invars[1 - i], frame)[0]
             small = int(np.prod(other.aval.shape, dtype=np.int64)) < size
-            ok = small and not depends(other_anchor, anchor, frame)
+            ok = small and not depends(eqn.invars[1 - i], path, frame)
         sides.append(ok)
     return sides[0], sides[1]
 
 
-_AT_INPUTS: collections.OrderedDict[tuple[int, frozenset[str]], tuple[Jaxpr, Any]] = collections.OrderedDict()
+_AT_INPUTS = LRU(512)  # (id(body), epilogue ops) -> (body, answer)
 
 
 def epilogue_eqns_at_inputs(body: Jaxpr, epilogue: frozenset[str]) -> tuple[tuple[int, JaxprEqn], ...] | None:
@@ -175,7 +174,5 @@ def epilogue_eqns_at_inputs(body: Jaxpr, epilogue: frozenset[str]) -> tuple[tupl
             if any(not isinstance(r, Literal) and r in invars for r in roots):
                 found.append((n, e))
     out = None if found is None else tuple(found)
-    _AT_INPUTS[key] = (body, out)
-    if len(_AT_INPUTS) > _PRODUCERS_SIZE:
-        _AT_INPUTS.popitem(last=False)
+    _AT_INPUTS.put(key, (body, out))
     return out
