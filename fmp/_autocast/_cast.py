@@ -82,20 +82,25 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
         hit = memo.get((id(x), dtype.name))
         if hit is not None and hit[0] is x:
             return hit[1]
+    if ctx.records is not None:
+        _record_cast(ctx, eqn, scope, aval.dtype, dtype)
+    out = _cast_call(x, aval, dtype)
+    if memo is not None:
+        memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
+    return out
+
+
+def _record_cast(ctx: Context, eqn: JaxprEqn | None, scope: str, src: Any, dtype: Any) -> None:
     ctx.record(
         op="convert_element_type",
         source=source_of(eqn, ctx) if eqn is not None else "",
         scope=scope,
         category="cast",
         in_before=(),
-        in_after=(dtype_name(aval.dtype),),
+        in_after=(dtype_name(src),),
         out_before=(),
         out_after=(dtype.name,),
     )
-    out = _cast_call(x, aval, dtype)
-    if memo is not None:
-        memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
-    return out
 
 
 def restore(eqn: JaxprEqn, invals: Sequence[Any], ctx: Context, scope: str = "") -> list[Any]:

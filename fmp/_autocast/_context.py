@@ -31,15 +31,29 @@ def like_avals(avals: Sequence[Any], vals: Sequence[Any]) -> list[Any]:
     """``avals`` (a body's own: shape, sharding, ...) with the dtypes and weak types of ``vals``."""
     out = []
     for a, x in zip(avals, vals, strict=True):
-        cur = aval_of(x)
-        out.append(a.update(dtype=cur.dtype, weak_type=cur.weak_type) if hasattr(a, "dtype") else a)
+        cur = jax.typeof(x)
+        same = not hasattr(a, "dtype") or (a.dtype == cur.dtype and a.weak_type == cur.weak_type)
+        out.append(a if same else a.update(dtype=cur.dtype, weak_type=cur.weak_type))
     return out
+
+
+_NAMES: dict[Any, str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
     """The name of a dtype; works for extended dtypes (PRNG keys) that NumPy does not know."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype-like
+        pass
     name = getattr(dtype, "name", None)
-    return name if isinstance(name, str) else np.dtype(dtype).name
+    name = name if isinstance(name, str) else np.dtype(dtype).name
+    try:
+        if len(_NAMES) < 256:
+            _NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
 
 
 def is_castable(dtype: Any) -> bool:

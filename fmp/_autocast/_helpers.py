@@ -46,7 +46,7 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     ctx.tracebacks.append(ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback)
     try:
         closed, operands, params, args = eqn.params["jaxpr"], list(eqn.invars), dict(eqn.params), list(invals)
-        if _can_keep(ctx) and any(is_constant(x) and not np.shape(x) for x in invals):
+        if _can_keep(ctx) and any(_scalar_constant(x) for x in invals):
             closed, operands, params, args = _specialise(eqn, invals)
         hints = keep_call(closed, operands, args, ctx)
         if hints is None:
@@ -54,7 +54,7 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
             return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
         mark = None if ctx.records is None else len(ctx.records)
         new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
-        entry = _entry_casts(new) if _can_hoist(ctx, scope) else {}
+        entry = _entry_casts_of(new) if _can_hoist(ctx, scope) else {}
         if entry:  # cast those inputs here instead, where the caller's other uses share the cast
             if mark is not None and ctx.records is not None:
                 del ctx.records[mark:]
@@ -63,6 +63,20 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     finally:
         ctx.tracebacks.pop()
     return bind(eqn, args, dict(params, jaxpr=new))
+
+
+def _scalar_constant(x: Any) -> bool:
+    return is_constant(x) and (not isinstance(x, np.ndarray | np.generic) or x.ndim == 0)
+
+
+_ENTRY = LRU(1024)  # id(rewritten body) -> (body, its entry casts); holds the body, so its id is not reused
+
+
+def _entry_casts_of(body: ClosedJaxpr) -> dict[int, Any]:
+    hit = _ENTRY.get(id(body))
+    if hit is not None and hit[0] is body:
+        return hit[1]
+    return _ENTRY.put(id(body), (body, _entry_casts(body)))[1]
 
 
 def _can_keep(ctx: Context) -> bool:
@@ -91,7 +105,7 @@ def keep_call(
     where that differs from the test on the body alone (``x @ w + b`` with
     ``+`` in its own helper).
     """
-    if not _can_keep(ctx) or any(is_constant(x) and not np.shape(x) for x in invals):
+    if not _can_keep(ctx) or any(_scalar_constant(x) for x in invals):
         return None
     body = closed.jaxpr
     at_inputs = epilogue_eqns_at_inputs(body, ctx.rules.jax_epilogue)
@@ -156,7 +170,7 @@ def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any
     into literals, as its inlining does) and memoised per body and constants.
     """
     closed: ClosedJaxpr = eqn.params["jaxpr"]
-    fixed = {i: x for i, x in enumerate(invals) if is_constant(x) and not np.shape(x)}
+    fixed = {i: x for i, x in enumerate(invals) if _scalar_constant(x)}
     key = (id(closed), tuple((i, type(x).__name__, _exact(x), str(aval_of(x))) for i, x in fixed.items()))
     hit = _SPECIAL.get(key)
     if hit is not None and hit[0] is closed:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import jit_p
 
@@ -135,14 +135,14 @@ def epilogue_sides(eqn: JaxprEqn, frame: Frame, is_low: Callable[[str], bool]) -
     than the result that is not computed from that one: a bias, not a
     statistic of the result. The caller checks the dtypes.
     """
-    size = int(np.prod(eqn.outvars[0].aval.shape, dtype=np.int64))
+    size = math.prod(eqn.outvars[0].aval.shape)
     sides = []
     for i in (0, 1):
         _, made, path = root(eqn.invars[i], frame)
         ok = made is not None and is_low(made.primitive.name)
         if ok:
             other = root(eqn.invars[1 - i], frame)[0]
-            small = int(np.prod(other.aval.shape, dtype=np.int64)) < size
+            small = math.prod(other.aval.shape) < size
             ok = small and not depends(eqn.invars[1 - i], path, frame)
         sides.append(ok)
     return sides[0], sides[1]
