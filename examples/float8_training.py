@@ -9,6 +9,7 @@ writes the curves to ``float8_training.png`` in the output folder.
 
     python examples/float8_training.py --out docs/assets
     python examples/float8_training.py --models transformer --recipes float32,tensorwise --no-plot
+    python examples/float8_training.py --models mlp --seeds 0,1,2,3,4,5,6,7   # final losses over seeds
 """
 
 from __future__ import annotations
@@ -181,6 +182,30 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def over_seeds(args: argparse.Namespace, recipes: list[str], seeds: list[int]) -> dict[str, dict[str, list[float]]]:
+    """Final losses per model and policy, one run per seed (initial parameters, batches and data split);
+    prints each policy's mean, the relative difference of the means to bfloat16's, and the largest per-seed
+    relative difference."""
+    finals: dict[str, dict[str, list[float]]] = {}
+    for seed in seeds:
+        for name, task in tasks(argparse.Namespace(**{**vars(args), "seed": seed})).items():
+            if name not in args.models.split(","):
+                continue
+            for run in [train(task, None)] + [train(task, r) for r in recipes]:
+                finals.setdefault(name, {}).setdefault(run["recipe"], []).append(run["final"])
+    for name, by_policy in finals.items():
+        ref = np.asarray(by_policy["bfloat16"])
+        print(f"\n{name}: final loss over seeds {seeds}")
+        print(f"{'policy':<11} {'mean':>8} {'means vs bf16':>14} {'largest per-seed diff':>22}")
+        for policy, vals in by_policy.items():
+            v = np.asarray(vals)
+            print(
+                f"{policy:<11} {v.mean():>8.4f} {abs(v.mean() - ref.mean()) / ref.mean():>14.2%} "
+                f"{np.max(np.abs(v - ref) / ref):>22.2%}"
+            )
+    return finals
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mlp-steps", type=int, default=150)
@@ -192,8 +217,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p.add_argument("--out", default=".")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON (one line)")
+    p.add_argument("--seeds", default="", help="comma-separated seeds: only final losses, one run per seed")
     args = p.parse_args(argv)
     recipes = [r for r in args.recipes.split(",") if r]
+    if args.seeds:
+        over_seeds(args, recipes, [int(s) for s in args.seeds.split(",")])
+        return {}
     results, table = {}, {}
     for name, task in tasks(args).items():
         if name not in args.models.split(","):

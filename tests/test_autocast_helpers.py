@@ -199,3 +199,24 @@ def test_rewrite_caches_are_safe_across_threads(monkeypatch):
     finally:
         sys.setswitchinterval(switch)
     assert not errors, errors[:3]
+
+
+def test_a_value_used_once_is_cast_inside_the_kept_call_and_one_used_twice_at_it(monkeypatch):
+    from fmp._autocast import _jax_internals
+
+    def f(x, w1, w2):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2) + jnp.sum(x @ w2)  # w1 used once; x and w2 twice
+
+    def kept(*args):  # the program as autocast emits it, every inline call (casts too) kept as an equation
+        with _jax_internals.keep_inline_calls():
+            return fmp.autocast(f)(*args)
+
+    monkeypatch.setattr(_jax_internals, "_jax_own", lambda closed: True)
+    top = jax.make_jaxpr(kept)(jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr
+    x, w1, w2 = top.invars
+    cast_at_top = [e.invars[0] for e in top.eqns if e.primitive.name == "jit" and e.params["name"] == "convert"]
+    cast_at_top = [v for v in cast_at_top if v in (x, w1, w2)]
+    # x and w2: one cast each, at the top, shared by both their uses; w1: cast inside its matmul's body
+    assert cast_at_top == [x, w2] or cast_at_top == [w2, x], cast_at_top
+    matmul = next(e for e in top.eqns if e.primitive.name == "jit" and w1 in e.invars)
+    assert any(e.primitive.name == "convert_element_type" for e in matmul.params["jaxpr"].jaxpr.eqns)

@@ -126,3 +126,19 @@ def test_jit_equals_eager_through_program_casts():
 
     f = fmp.autocast(f)
     _leaves_close(f(x, w), jax.jit(f)(x, w), rtol=1e-6)
+
+
+def test_weak_typed_arrays_take_the_policy_and_python_scalars_still_follow():
+    # jnp.full(shape, 0.5) is a weak-typed float32 array: a matmul of two of them runs in the compute dtype
+    x, w = jnp.full((2, 4), 0.5), jnp.full((4, 3), 0.25)
+    assert x.weak_type and w.weak_type
+    dots = [
+        e
+        for e in jax.make_jaxpr(fmp.autocast(lambda x, w: x @ w))(x, w).jaxpr.eqns
+        if e.primitive.name == "dot_general"
+    ]
+    assert [str(v.aval.dtype) for v in dots[0].invars] == ["bfloat16", "bfloat16"]
+    np.testing.assert_array_equal(np.asarray(fmp.autocast(lambda x, w: x @ w)(x, w), np.float32), np.full((2, 3), 0.5))
+    # a Python scalar still follows the other operand (no float32 promotion of a bfloat16 value)
+    y = fmp.autocast(lambda x: jnp.sin(2.0) * x)(jnp.ones(3, jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16

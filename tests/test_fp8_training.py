@@ -36,3 +36,19 @@ def test_every_recipe_trains_like_bfloat16():
     # that every recipe learned and stays within half of bfloat16's loss, far outside the spread seen.
     for row in table["mlp"]:
         assert row["final_rel_diff"] < 0.5 and row["final_loss"] < 0.05, row
+
+
+def test_final_losses_over_seeds_are_printed_per_policy():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "float8_training.py"), "--models", "mlp", "--recipes", "tensorwise"]
+        + ["--mlp-steps", "2", "--seeds", "0,1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.split()[:1]}
+    assert "mlp: final loss over seeds [0, 1]" in proc.stdout
+    assert rows["bfloat16"][1] == "0.00%" and float(rows["tensorwise"][0]) > 0, proc.stdout

@@ -32,7 +32,7 @@ from fmp._autocast._cast import cast
 from fmp._autocast._context import Context, aval_of, is_castable, is_constant, like_avals
 from fmp._autocast._interp import bind, eval_jaxpr, transform_closed
 from fmp._autocast._lru import LRU
-from fmp._autocast._provenance import epilogue_eqns_at_inputs, epilogue_sides, frame_of
+from fmp._autocast._provenance import epilogue_eqns_at_inputs, epilogue_sides, frame_of, used_once
 from fmp._core._rules import Category
 
 # False: every helper is inlined (the reference the kept calls are tested against)
@@ -55,7 +55,9 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
         mark = None if ctx.records is None else len(ctx.records)
         new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
         entry = _entry_casts_of(new) if _can_hoist(ctx, scope) else {}
-        if entry:  # cast those inputs here instead, where the caller's other uses share the cast
+        # a value used once keeps its cast in the body; one used again has it here, shared with those uses
+        entry = {i: d for i, d in entry.items() if not used_once(operands[i], ctx.frames[-1])}
+        if entry:
             if mark is not None and ctx.records is not None:
                 del ctx.records[mark:]
             args = [cast(x, entry[i], ctx, eqn, scope) if i in entry else x for i, x in enumerate(args)]

@@ -41,36 +41,46 @@ class Frame:
     a body's input variable to the operand its call passed (an inlined body, or
     a body a walk went down into); ``hints`` carries, into a helper body
     rewritten on its own, the epilogue test of those of its equations that see
-    through its inputs, as run in the caller's program.
+    through its inputs, as run in the caller's program. ``uses`` counts the
+    uses of each variable of the frame's own jaxpr (its equations and outputs).
     """
 
     producers: Mapping[Any, JaxprEqn]
     alias: Mapping[Any, Any]
+    uses: Mapping[Any, int] = dataclasses.field(default_factory=dict)
     # id(equation) -> its epilogue sides as seen from the caller's program (a helper body rewritten alone)
     hints: Mapping[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)
 
 
-# id(jaxpr) -> (jaxpr, its producers); holds the jaxpr, so its id is not reused while cached
+# id(jaxpr) -> (jaxpr, its producers, its use counts); holds the jaxpr, so its id is not reused while cached
 _PRODUCERS = LRU(512)
 
 
-def _producers(jaxpr: Jaxpr) -> dict[Any, JaxprEqn]:
+def _producers(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int]]:
     hit = _PRODUCERS.get(id(jaxpr))
     if hit is not None and hit[0] is jaxpr:
-        return hit[1]
+        return hit[1], hit[2]
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
-    _PRODUCERS.put(id(jaxpr), (jaxpr, made))
-    return made
+    uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
+    uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+    _PRODUCERS.put(id(jaxpr), (jaxpr, made, uses))
+    return made, uses
 
 
 def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] | None = None) -> Frame:
     """The frame of ``jaxpr``: alone, or (with ``parent`` and ``operands``) as a body called in ``parent``
     with ``operands`` (variables of ``parent``) as its inputs."""
-    own = _producers(jaxpr)
+    own, uses = _producers(jaxpr)
     if parent is None or operands is None:
-        return Frame(own, {})
+        return Frame(own, {}, uses)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
-    return Frame(collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias))
+    return Frame(collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias), uses)
+
+
+def used_once(var: Any, frame: Frame) -> bool:
+    """``var`` has one use in its jaxpr and is no input of an inlined body (whose operand the caller may
+    use again): a cast of it made for that use is the only one."""
+    return not isinstance(var, Literal) and var not in frame.alias and frame.uses.get(var, 0) == 1
 
 
 def is_inline_call(eqn: JaxprEqn) -> bool:
