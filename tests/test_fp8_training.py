@@ -12,16 +12,20 @@ import pytest
 from tests.helpers import ROOT
 
 
-@pytest.mark.gallery
-def test_every_recipe_trains_like_bfloat16():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "float8_training.py"), "--json", "--no-plot"],
+def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "float8_training.py"), *args],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=timeout,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+
+
+@pytest.mark.gallery
+def test_every_recipe_trains_like_bfloat16():
+    proc = _run("--json", "--no-plot", timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = json.loads(proc.stdout.strip().splitlines()[-1])
     for model, rows in table.items():
@@ -39,15 +43,7 @@ def test_every_recipe_trains_like_bfloat16():
 
 
 def test_final_losses_over_seeds_are_printed_per_policy():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "float8_training.py"), "--models", "mlp", "--recipes", "tensorwise"]
-        + ["--mlp-steps", "2", "--seeds", "0,1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    proc = _run("--models", "mlp", "--recipes", "tensorwise", "--mlp-steps", "2", "--seeds", "0,1", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.split()[:1]}
     assert "mlp: final loss over seeds [0, 1]" in proc.stdout
