@@ -220,3 +220,46 @@ def test_a_value_used_once_is_cast_inside_the_kept_call_and_one_used_twice_at_it
     assert cast_at_top == [x, w2] or cast_at_top == [w2, x], cast_at_top
     matmul = next(e for e in top.eqns if e.primitive.name == "jit" and w1 in e.invars)
     assert any(e.primitive.name == "convert_element_type" for e in matmul.params["jaxpr"].jaxpr.eqns)
+
+
+def _noop_astype(x, w, w2):  # the user's astype is the identity in the rewritten program (h is bfloat16 there)
+    h = x @ w
+    return jnp.sum(jnp.exp(h)) + jnp.sum(jnp.log1p(jnp.exp(h.astype(jnp.bfloat16)) * 0.37))
+
+
+def _identity_helper(x, w, w2):  # jnp.real of a real array: a helper whose body returns its input
+    h = x @ w
+    return jnp.sum(jnp.exp(h)) + jnp.sum(jnp.log1p(jnp.exp(jnp.real(h)) * 0.37))
+
+
+def _override_elsewhere(x, w, w2):  # an override on one scope; the shared cast of h is in the default scope
+    h = x @ w
+    a, b = jnp.exp(h), jnp.log1p(jnp.square(h) * 0.37)
+    with jax.named_scope("head"):
+        o = (a + b) @ w2
+    return jnp.sum(o)
+
+
+@pytest.mark.parametrize(
+    "fn, kw",
+    [(_noop_astype, {}), (_identity_helper, {}), (_override_elsewhere, {"overrides": {"head": "float32"}})],
+    ids=["noop-astype", "identity-helper", "override-elsewhere"],
+)
+def test_one_value_under_two_names_shares_its_cast_as_inlined(fn, kw, monkeypatch):
+    k = jax.random.split(jax.random.key(0), 3)
+    x, w, w2 = (
+        jax.random.normal(k[0], (8, 16)),
+        0.3 * jax.random.normal(k[1], (16, 16)),
+        jax.random.normal(k[2], (16, 16)),
+    )
+    out = {}
+    for keep in (False, True):
+        monkeypatch.setattr(_helpers, "KEEP_HELPERS", keep)
+        g = jax.numpy_dtype_promotion("standard")(fmp.autocast(fn, **kw))
+        out[keep] = (
+            _flat(jax.make_jaxpr(jax.grad(g, argnums=(0, 1)))(x, w, w2).jaxpr, []),
+            jax.jit(jax.grad(g, argnums=(0, 1)))(x, w, w2),
+        )
+    assert out[True][0] == out[False][0]
+    for a, b in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -128,17 +130,18 @@ def test_jit_equals_eager_through_program_casts():
     _leaves_close(f(x, w), jax.jit(f)(x, w), rtol=1e-6)
 
 
-def test_weak_typed_arrays_take_the_policy_and_python_scalars_still_follow():
-    # jnp.full(shape, 0.5) is a weak-typed float32 array: a matmul of two of them runs in the compute dtype
-    x, w = jnp.full((2, 4), 0.5), jnp.full((4, 3), 0.25)
-    assert x.weak_type and w.weak_type
-    dots = [
-        e
-        for e in jax.make_jaxpr(fmp.autocast(lambda x, w: x @ w))(x, w).jaxpr.eqns
-        if e.primitive.name == "dot_general"
-    ]
-    assert [str(v.aval.dtype) for v in dots[0].invars] == ["bfloat16", "bfloat16"]
-    np.testing.assert_array_equal(np.asarray(fmp.autocast(lambda x, w: x @ w)(x, w), np.float32), np.full((2, 3), 0.5))
-    # a Python scalar still follows the other operand (no float32 promotion of a bfloat16 value)
+def test_weak_typed_values_follow_and_an_all_weak_matmul_keeps_its_dtype():
+    # rotary angles: positions times inverse frequencies built from Python scalars are weak-typed float32;
+    # with no strongly typed input the product keeps float32 (bfloat16 would lose the angles: |sin error| ~0.9)
+    def angles(x):
+        inv_freq = jnp.exp(jnp.arange(0, 64, 2) * -(math.log(1e4) / 64))  # weak-typed inside the trace
+        return jnp.sin(jnp.einsum("i,j->ij", jnp.arange(2048), inv_freq)) + x
+
+    x = jnp.zeros((2048, 32))
+    with jax.numpy_dtype_promotion("standard"):
+        dots = [e for e in jax.make_jaxpr(fmp.autocast(angles))(x).jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert dots and not any(str(v.aval.dtype) == "bfloat16" for e in dots for v in e.invars)
+        np.testing.assert_allclose(np.asarray(fmp.autocast(angles)(x)), np.asarray(angles(x)), atol=1e-6)
+    # a Python scalar follows the other operand (no float32 promotion of a bfloat16 value)
     y = fmp.autocast(lambda x: jnp.sin(2.0) * x)(jnp.ones(3, jnp.bfloat16))
     assert y.dtype == jnp.bfloat16

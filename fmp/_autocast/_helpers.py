@@ -54,7 +54,7 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
             return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
         mark = None if ctx.records is None else len(ctx.records)
         new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
-        entry = _entry_casts_of(new) if _can_hoist(ctx, scope) else {}
+        entry = _entry_casts_of(new) if _can_hoist(ctx, scope, closed.jaxpr) else {}
         # a value used once keeps its cast in the body; one used again has it here, shared with those uses
         entry = {i: d for i, d in entry.items() if not used_once(operands[i], ctx.frames[-1])}
         if entry:
@@ -89,10 +89,13 @@ def _can_keep(ctx: Context) -> bool:
     return KEEP_HELPERS and not fp8 and ctx.records is None and bool(ctx.frames)
 
 
-def _can_hoist(ctx: Context, scope: str) -> bool:
+def _can_hoist(ctx: Context, scope: str, body: Any) -> bool:
     # under an override or inside a nested region the body restores its inputs' original dtypes first, so a
-    # cast moved to the call would be undone there (a round trip that changes gradients under jit)
-    return not ctx.overrides and ctx.resolve(scope)[0] == "default"
+    # cast moved to the call would be undone there (a round trip that changes gradients under jit); a body
+    # that opens scopes of its own may hold such equations
+    if ctx.resolve(scope)[0] != "default":
+        return False
+    return not ctx.overrides or not any(str(e.source_info.name_stack) for e in body.eqns)
 
 
 def keep_call(
@@ -110,6 +113,8 @@ def keep_call(
     if not _can_keep(ctx) or any(_scalar_constant(x) for x in invals):
         return None
     body = closed.jaxpr
+    if any(v in body.invars for v in body.outvars if not isinstance(v, Literal)):
+        return None  # inlined, an output is the input itself (jnp.real, squeeze of no axes): casts of it are shared
     at_inputs = epilogue_eqns_at_inputs(body, ctx.rules.jax_epilogue)
     if at_inputs is None:
         return None

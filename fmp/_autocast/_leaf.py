@@ -78,8 +78,6 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
     follow = {i for i in floats if cur[i].weak_type or (is_constant(invals[i]) and not cur[i].shape)}
     strong = [dtype_name(cur[i].dtype) for i in floats if i not in follow]
-    if not strong:  # only weak-typed inputs: arrays among them (jnp.full(shape, 0.1)) still take the policy
-        strong = [dtype_name(cur[i].dtype) for i in floats if not is_constant(invals[i])]
     compute = policy.compute_dtype.name
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))

@@ -63,8 +63,29 @@ def _producers(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int]]:
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+    for a, b in _passed_through(jaxpr):  # one value under two names: neither is used once
+        uses[a] += 1
+        uses[b] += 1
     _PRODUCERS.put(id(jaxpr), (jaxpr, made, uses))
     return made, uses
+
+
+def _passed_through(jaxpr: Jaxpr) -> list[tuple[Any, Any]]:
+    """``(input, output)`` variable pairs that may hold one runtime value in the rewritten program: a dtype
+    conversion the rewrite makes the identity (the value already has that dtype there), and an inline
+    call whose body returns its input (``jnp.real``, inlined as JAX would)."""
+    pairs = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "convert_element_type" and not isinstance(e.invars[0], Literal):
+            pairs.append((e.invars[0], e.outvars[0]))
+        elif is_inline_call(e):
+            body = e.params["jaxpr"].jaxpr
+            for k, out in enumerate(body.outvars):
+                if not isinstance(out, Literal) and out in body.invars:
+                    operand = e.invars[body.invars.index(out)]
+                    if not isinstance(operand, Literal):
+                        pairs.append((operand, e.outvars[k]))
+    return pairs
 
 
 def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] | None = None) -> Frame:
@@ -78,8 +99,9 @@ def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] 
 
 
 def used_once(var: Any, frame: Frame) -> bool:
-    """``var`` has one use in its jaxpr and is no input of an inlined body (whose operand the caller may
-    use again): a cast of it made for that use is the only one."""
+    """``var`` has one use in its jaxpr, is no input of an inlined body (whose operand the caller may use
+    again) and neither side of a dtype conversion (which the rewrite may make the identity, so that two
+    variables hold one value): a cast of it made for that use is the only one."""
     return not isinstance(var, Literal) and var not in frame.alias and frame.uses.get(var, 0) == 1
 
 
