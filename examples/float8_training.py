@@ -191,7 +191,8 @@ def over_seeds(args: argparse.Namespace, recipes: list[str], seeds: list[int]) -
         for name, task in tasks(argparse.Namespace(**{**vars(args), "seed": seed})).items():
             if name not in args.models.split(","):
                 continue
-            for run in [train(task, None)] + [train(task, r) for r in recipes]:
+            keep = tuple(k for k in args.keep_bf16.split(",") if k)
+            for run in [train(task, None)] + [train(task, r, keep) for r in recipes]:
                 finals.setdefault(name, {}).setdefault(run["recipe"], []).append(run["final"])
     for name, by_policy in finals.items():
         ref = np.asarray(by_policy["bfloat16"])
