@@ -31,7 +31,7 @@ def like_avals(avals: Sequence[Any], vals: Sequence[Any]) -> list[Any]:
     """``avals`` (a body's own: shape, sharding, ...) with the dtypes and weak types of ``vals``."""
     out = []
     for a, x in zip(avals, vals, strict=True):
-        cur = jax.typeof(x)
+        cur = aval_of(x)
         same = not hasattr(a, "dtype") or (a.dtype == cur.dtype and a.weak_type == cur.weak_type)
         out.append(a if same else a.update(dtype=cur.dtype, weak_type=cur.weak_type))
     return out
@@ -63,6 +63,11 @@ def is_castable(dtype: Any) -> bool:
 def is_constant(x: Any) -> bool:
     """A value known while tracing: a literal of the program, or a constant JAX would fold into one."""
     return isinstance(x, int | float | complex | np.ndarray | np.generic) and not isinstance(x, jax.Array)
+
+
+def is_scalar_constant(x: Any) -> bool:
+    """A constant with no dimensions (a Python number or a 0-d NumPy value): a scalar literal of the source."""
+    return is_constant(x) and (not isinstance(x, np.ndarray | np.generic) or x.ndim == 0)
 
 
 def aval_of(x: Any) -> Any:

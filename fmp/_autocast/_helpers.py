@@ -29,10 +29,10 @@ from jax.extend.core.primitives import convert_element_type_p
 
 from fmp._autocast import _jax_internals
 from fmp._autocast._cast import cast
-from fmp._autocast._context import Context, aval_of, is_castable, is_constant, like_avals
+from fmp._autocast._context import Context, aval_of, is_castable, is_scalar_constant, like_avals
 from fmp._autocast._interp import bind, eval_jaxpr, transform_closed
 from fmp._autocast._lru import LRU
-from fmp._autocast._provenance import epilogue_eqns_at_inputs, epilogue_sides, frame_of, used_once
+from fmp._autocast._provenance import epilogue_eqns_at_inputs, epilogue_sides, frame_of, returned_inputs, used_once
 from fmp._core._rules import Category
 
 # False: every helper is inlined (the reference the kept calls are tested against)
@@ -46,7 +46,7 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     ctx.tracebacks.append(ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback)
     try:
         closed, operands, params, args = eqn.params["jaxpr"], list(eqn.invars), dict(eqn.params), list(invals)
-        if _can_keep(ctx) and any(_scalar_constant(x) for x in invals):
+        if _can_keep(ctx) and any(is_scalar_constant(x) for x in invals):
             closed, operands, params, args = _specialise(eqn, invals)
         hints = keep_call(closed, operands, args, ctx)
         if hints is None:
@@ -67,18 +67,11 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     return bind(eqn, args, dict(params, jaxpr=new))
 
 
-def _scalar_constant(x: Any) -> bool:
-    return is_constant(x) and (not isinstance(x, np.ndarray | np.generic) or x.ndim == 0)
-
-
 _ENTRY = LRU(1024)  # id(rewritten body) -> (body, its entry casts); holds the body, so its id is not reused
 
 
 def _entry_casts_of(body: ClosedJaxpr) -> dict[int, Any]:
-    hit = _ENTRY.get(id(body))
-    if hit is not None and hit[0] is body:
-        return hit[1]
-    return _ENTRY.put(id(body), (body, _entry_casts(body)))[1]
+    return _ENTRY.of(body, id(body), lambda: _entry_casts(body))
 
 
 def _can_keep(ctx: Context) -> bool:
@@ -110,10 +103,10 @@ def keep_call(
     where that differs from the test on the body alone (``x @ w + b`` with
     ``+`` in its own helper).
     """
-    if not _can_keep(ctx) or any(_scalar_constant(x) for x in invals):
+    if not _can_keep(ctx) or any(is_scalar_constant(x) for x in invals):
         return None
     body = closed.jaxpr
-    if any(v in body.invars for v in body.outvars if not isinstance(v, Literal)):
+    if returned_inputs(body):
         return None  # inlined, an output is the input itself (jnp.real, squeeze of no axes): casts of it are shared
     at_inputs = epilogue_eqns_at_inputs(body, ctx.rules.jax_epilogue)
     if at_inputs is None:
@@ -177,22 +170,19 @@ def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any
     into literals, as its inlining does) and memoised per body and constants.
     """
     closed: ClosedJaxpr = eqn.params["jaxpr"]
-    fixed = {i: x for i, x in enumerate(invals) if _scalar_constant(x)}
-    key = (id(closed), tuple((i, type(x).__name__, _exact(x), str(aval_of(x))) for i, x in fixed.items()))
-    hit = _SPECIAL.get(key)
-    if hit is not None and hit[0] is closed:
-        body = hit[1]
-    else:
-        fun = jaxpr_as_fun(closed)
-        keep = [i for i in range(len(invals)) if i not in fixed]
-
-        def specialised(*xs: Any) -> list[Any]:
-            it = iter(xs)
-            return list(fun(*[fixed[i] if i in fixed else next(it) for i in range(len(invals))]))
-
-        body = _jax_internals.trace_to_closed_jaxpr(specialised, [closed.in_avals[i] for i in keep], "fmp.autocast")
-        _SPECIAL.put(key, (closed, body))
+    fixed = {i: x for i, x in enumerate(invals) if is_scalar_constant(x)}
     keep = [i for i in range(len(invals)) if i not in fixed]
+
+    def specialised(*xs: Any) -> list[Any]:
+        it = iter(xs)
+        return list(jaxpr_as_fun(closed)(*[fixed[i] if i in fixed else next(it) for i in range(len(invals))]))
+
+    key = (id(closed), tuple((i, type(x).__name__, _exact(x), str(aval_of(x))) for i, x in fixed.items()))
+    body = _SPECIAL.of(
+        closed,
+        key,
+        lambda: _jax_internals.trace_to_closed_jaxpr(specialised, [closed.in_avals[i] for i in keep], "fmp.autocast"),
+    )
     params = dict(eqn.params)
     for name in _PER_OPERAND:
         if name in params:

@@ -18,7 +18,7 @@ from jax.extend.core import JaxprEqn
 from jax.extend.core.primitives import convert_element_type_p
 
 from fmp._autocast._cast import cast, round_once
-from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, is_constant, record_eqn
+from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, is_scalar_constant, record_eqn
 from fmp._autocast._float8 import float8
 from fmp._autocast._interp import bind
 from fmp._autocast._provenance import epilogue_sides
@@ -58,7 +58,7 @@ def _user_cast(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     rule = "user_cast"
     if aval.dtype == new_dtype and aval.weak_type == eqn.params.get("weak_type", False):
         outs = [x]
-    elif is_constant(x) and not np.shape(x) and is_castable(new_dtype):
+    elif is_scalar_constant(x) and is_castable(new_dtype):
         # a scalar constant (a literal passed into an inlined helper): folded, as JAX folds it when it inlines
         outs = [float(x) if eqn.params.get("weak_type", False) else np.asarray(x, dtype=new_dtype)]
     elif _is_statistic_rounding(eqn, aval.dtype):
@@ -76,7 +76,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     orig = [v.aval for v in eqn.invars]
     floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and is_castable(a.dtype)]
     # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
-    follow = {i for i in floats if cur[i].weak_type or (is_constant(invals[i]) and not cur[i].shape)}
+    follow = {i for i in floats if cur[i].weak_type or is_scalar_constant(invals[i])}
     strong = [dtype_name(cur[i].dtype) for i in floats if i not in follow]
     compute = policy.compute_dtype.name
     if category is Category.BANNED and compute == "float16" and floats:

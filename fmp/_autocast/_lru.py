@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from typing import Any
 
 _MISSING = object()
@@ -34,6 +35,15 @@ class LRU:
             while len(self._data) > self._size:
                 self._data.popitem(last=False)
         return value
+
+    def of(self, obj: Any, key: Any, make: Callable[[], Any]) -> Any:
+        """The value cached for ``obj`` under ``key`` (``id(obj)`` and whatever else decides it), else
+        ``make()``, stored. The entry holds ``obj``, so its id is not reused while cached, and an entry
+        whose object is another (an id reused after eviction) is made again."""
+        hit = self.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        return self.put(key, (obj, make()))[1]
 
     def clear(self) -> None:
         with self._lock:

@@ -57,16 +57,16 @@ _PRODUCERS = LRU(512)
 
 
 def _producers(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int]]:
-    hit = _PRODUCERS.get(id(jaxpr))
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1], hit[2]
+    return _PRODUCERS.of(jaxpr, id(jaxpr), lambda: _producers_and_uses(jaxpr))
+
+
+def _producers_and_uses(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int]]:
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
     for a, b in _passed_through(jaxpr):  # one value under two names: neither is used once
         uses[a] += 1
         uses[b] += 1
-    _PRODUCERS.put(id(jaxpr), (jaxpr, made, uses))
     return made, uses
 
 
@@ -79,13 +79,17 @@ def _passed_through(jaxpr: Jaxpr) -> list[tuple[Any, Any]]:
         if e.primitive.name == "convert_element_type" and not isinstance(e.invars[0], Literal):
             pairs.append((e.invars[0], e.outvars[0]))
         elif is_inline_call(e):
-            body = e.params["jaxpr"].jaxpr
-            for k, out in enumerate(body.outvars):
-                if not isinstance(out, Literal) and out in body.invars:
-                    operand = e.invars[body.invars.index(out)]
-                    if not isinstance(operand, Literal):
-                        pairs.append((operand, e.outvars[k]))
+            for k, i in returned_inputs(e.params["jaxpr"].jaxpr):
+                if not isinstance(e.invars[i], Literal):
+                    pairs.append((e.invars[i], e.outvars[k]))
     return pairs
+
+
+def returned_inputs(body: Jaxpr) -> list[tuple[int, int]]:
+    """``(output index, input index)`` for each output of ``body`` that is one of its inputs unchanged."""
+    return [
+        (k, body.invars.index(v)) for k, v in enumerate(body.outvars) if not isinstance(v, Literal) and v in body.invars
+    ]
 
 
 def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] | None = None) -> Frame:
@@ -190,10 +194,10 @@ def epilogue_eqns_at_inputs(body: Jaxpr, epilogue: frozenset[str]) -> tuple[tupl
     inlined: the rule would look through that input into the caller's program.
     None when ``body`` holds an inline call of its own (not looked into).
     """
-    key = (id(body), epilogue)
-    hit = _AT_INPUTS.get(key)
-    if hit is not None and hit[0] is body:
-        return hit[1]
+    return _AT_INPUTS.of(body, (id(body), epilogue), lambda: _epilogue_eqns_at_inputs(body, epilogue))
+
+
+def _epilogue_eqns_at_inputs(body: Jaxpr, epilogue: frozenset[str]) -> tuple[tuple[int, JaxprEqn], ...] | None:
     frame = frame_of(body)
     invars = set(body.invars)
     found: list[tuple[int, JaxprEqn]] | None = []
@@ -205,6 +209,4 @@ def epilogue_eqns_at_inputs(body: Jaxpr, epilogue: frozenset[str]) -> tuple[tupl
             roots = [root(v, frame)[0] for v in e.invars]
             if any(not isinstance(r, Literal) and r in invars for r in roots):
                 found.append((n, e))
-    out = None if found is None else tuple(found)
-    _AT_INPUTS.put(key, (body, out))
-    return out
+    return None if found is None else tuple(found)
