@@ -3,6 +3,7 @@ saturation, all-zero and tiny tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 
@@ -131,6 +132,28 @@ def test_gradient_is_quantised_to_e5m2_not_e4m3():
     assert not np.array_equal(np.asarray(dx), np.asarray(ref_first(g, E4M3, "tensorwise", True)))
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise", "delayed", "mx"])
+def test_power_of_two_scales_by_default(scaling):
+    assert fmp.Float8Recipe(scaling).pow2_scales is True
+    assert fmp.get_policy(f"p=f32,c=bf16,o=f32,fp8={scaling}").fp8.pow2_scales is True
+    assert fmp.get_policy("mixed_float8").fp8.pow2_scales is True
+    assert fmp.Float8Recipe(scaling, pow2_scales=False).pow2_scales is False
+    with pytest.raises(ValueError, match="pow2_scales"):
+        fmp.Float8Recipe(scaling, pow2_scales=1)
+
+
+def test_power_of_two_scales_keep_exact_values_exact():
+    # digits-like pixels k/16 and a one-hot row: float8 holds each exactly, and a power-of-two scale keeps them so;
+    # the scale 448/amax (28 * 16 for amax 1) does not: 9/16 * 448 = 252 has no e4m3 value
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 17, (8, 64)) / 16, F32).at[0].set(jax.nn.one_hot(3, 64))
+    w = jnp.eye(64, dtype=F32)
+    for scaling in ("tensorwise", "rowwise", "blockwise"):
+        exact = fp8_dot_general(x, w, DN, fmp.Float8Recipe(scaling), F32)
+        np.testing.assert_array_equal(np.asarray(exact), np.asarray(x))
+        rounded = fp8_dot_general(x, w, DN, fmp.Float8Recipe(scaling, pow2_scales=False), F32)
+        assert not np.array_equal(np.asarray(rounded), np.asarray(x))
+
+
 def test_general_dimension_numbers_match_einsum_reference():
     # batch dims and two contracting dims in unusual positions: canonicalisation must not scramble rows
     k1, k2 = jax.random.split(jax.random.PRNGKey(3))
@@ -151,7 +174,7 @@ def test_general_dimension_numbers_match_einsum_reference():
 def test_delayed_scaling_uses_history_saturates_and_reports_amax():
     x, w, g = _data(m=8, k=16, n=8)
     hist = jnp.zeros((3, 4), F32).at[0, 1].set(1.0).at[1, 2].set(0.01)  # past amaxes smaller than now: saturation
-    recipe = fmp.Float8Recipe("delayed", history_len=4)
+    recipe = fmp.Float8Recipe("delayed", history_len=4, pow2_scales=False)  # scales exactly 448 / amax
     fn = lambda a, b, h: delayed_dot_general(a, b, DN, h, recipe, F32)  # noqa: E731
     out, (dx, dw, new_hist) = jax.jit(lambda *a: (lambda o, v: (o, v(g)))(*jax.vjp(fn, *a)))(x, w, hist)
     sx, sw = F32(448.0), F32(448.0 / np.float32(0.01))
@@ -181,7 +204,9 @@ def test_float8_state_pytree_jit_pickle_and_flax_serialization():
     np.testing.assert_array_equal(np.asarray(restored.amax_history), np.asarray(st.amax_history))
     chosen = jax.lax.cond(True, lambda: st, lambda: blank)
     assert jax.tree_util.tree_structure(chosen) == jax.tree_util.tree_structure(st)
-    np.testing.assert_array_equal(np.asarray(st.scales())[:, :2], np.full((2, 2), 224.0, np.float32))
+    np.testing.assert_array_equal(np.asarray(st.scales())[:, :2], np.full((2, 2), 128.0, np.float32))  # 448/2 -> 2**7
+    exact = dataclasses.replace(st, recipe=fmp.Float8Recipe("delayed", history_len=3, pow2_scales=False))
+    np.testing.assert_array_equal(np.asarray(exact.scales())[:, :2], np.full((2, 2), 224.0, np.float32))
 
 
 def test_float8_state_keeps_its_history_on_a_non_finite_step():

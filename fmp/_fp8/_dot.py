@@ -48,14 +48,18 @@ def _swap(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def fp8_matmul(a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any) -> jax.Array:
-    """``a[b, m, k] @ b[b, k, n]`` with float8 operands, result in ``out_dtype``."""
+def _forward(a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any) -> jax.Array:
     return _product(a, b, _quant.E4M3, _quant.E4M3, scaling, block, pow2).astype(out_dtype)
 
 
-def _fwd(a, b, scaling, block, pow2, out_dtype):
-    return fp8_matmul(a, b, scaling, block, pow2, out_dtype), (a, b)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def fp8_matmul(a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any) -> jax.Array:
+    """``a[b, m, k] @ b[b, k, n]`` with float8 operands, result in ``out_dtype``."""
+    return _forward(a, b, scaling, block, pow2, out_dtype)
+
+
+def _fwd(a, b, scaling, block, pow2, out_dtype):  # the product itself, not a nested custom_vjp call
+    return _forward(a, b, scaling, block, pow2, out_dtype), (a, b)
 
 
 def _bwd(scaling, block, pow2, out_dtype, res, g):
@@ -141,13 +145,17 @@ def _qdq_tensor(x: jax.Array, dtype: Any, pow2: bool) -> jax.Array:
     return _quant.dequantize(_quant.quantize(x, s, dtype), s)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _conv(conv, pow2, out_dtype, x, w):
+def _conv_forward(conv, pow2, out_dtype, x, w):
     return conv(_qdq_tensor(x, _quant.E4M3, pow2), _qdq_tensor(w, _quant.E4M3, pow2)).astype(out_dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _conv(conv, pow2, out_dtype, x, w):
+    return _conv_forward(conv, pow2, out_dtype, x, w)
+
+
 def _conv_fwd(conv, pow2, out_dtype, x, w):
-    return _conv(conv, pow2, out_dtype, x, w), (x, w)
+    return _conv_forward(conv, pow2, out_dtype, x, w), (x, w)
 
 
 def _conv_bwd(conv, pow2, out_dtype, res, g):

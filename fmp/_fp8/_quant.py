@@ -13,6 +13,7 @@ import jax.numpy as jnp
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
+_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # the smallest normal float32; a subnormal scale stays as it is
 
 
 def fp8_max(dtype: jax.typing.DTypeLike) -> float:
@@ -32,9 +33,9 @@ def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool 
     scale = jnp.minimum(scale, jnp.float32(_F32_MAX))
     if margin:
         scale = scale / jnp.float32(2.0**margin)
-    if pow2:  # 2**(e-1) for scale = m * 2**e, m in [0.5, 1): exact, unlike exp2(floor(log2(.)))
-        _, e = jnp.frexp(scale)
-        scale = jnp.ldexp(jnp.ones_like(scale), e - 1)
+    if pow2:  # clear the mantissa bits: 2**floor(log2(scale)), exactly (the scale is positive and finite)
+        bits = jax.lax.bitcast_convert_type(scale, jnp.int32) & jnp.int32(0x7F800000)
+        scale = jnp.where(scale >= _F32_TINY, jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
     return scale.astype(jnp.float32)
 
 
