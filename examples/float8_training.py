@@ -109,15 +109,27 @@ def tasks(args) -> dict[str, dict[str, Any]]:
     }
 
 
-def train(task: dict[str, Any], recipe: str | None, keep: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Trains one model under ``mixed_bfloat16`` (recipe None) or a float8 recipe; returns the loss curve."""
+def policy_for(
+    recipe: str | None, keep: tuple[str, ...] = (), pow2: bool = True
+) -> tuple[str | fmp.Policy, dict[str, str] | None]:
+    """The policy of a run (``None``: bfloat16; ``"float32"``: no autocast) and its bf16 opt-outs; ``pow2=False``
+    gives a float8 recipe the exact scales ``fp8_max / amax`` instead of powers of two."""
+    policy = {None: "mixed_bfloat16", "float32": "float32"}.get(recipe)
+    if policy is None:
+        policy = fmp.Policy("f32", "bf16", "f32", fp8=fmp.Float8Recipe(recipe, pow2_scales=pow2))
+    over = {k: "mixed_bfloat16" for k in keep} if keep and recipe not in (None, "float32") else None
+    return policy, over
+
+
+def make_step(task: dict[str, Any], recipe: str | None, keep: tuple[str, ...] = (), pow2: bool = True):
+    """``(optimizer, state, step)``: one Adam step under the run's policy; ``state`` is the Float8State of
+    ``delayed`` (else None), and ``step(params, opt_state, state, x, y) -> (params, opt_state, state, loss)``."""
     tx = optax.adam(task["lr"])
-    params = task["init"]
-    opt_state = tx.init(params)
+    policy, over = policy_for(recipe, keep, pow2)
     x0, y0 = map(jnp.asarray, task["batches"][0])
-    policy = {None: "mixed_bfloat16", "float32": "float32"}.get(recipe, f"p=f32,c=bf16,o=f32,fp8={recipe}")
-    over = {k: "mixed_bfloat16" for k in keep} if recipe not in (None, "float32") else None
-    state = fmp.float8_state(task["loss"], policy, overrides=over)(params, x0, y0) if recipe == "delayed" else None
+    state = (
+        fmp.float8_state(task["loss"], policy, overrides=over)(task["init"], x0, y0) if recipe == "delayed" else None
+    )
 
     def step(params, opt_state, state, x, y):
         if state is None:
@@ -128,6 +140,14 @@ def train(task: dict[str, Any], recipe: str | None, keep: tuple[str, ...] = ()) 
         loss, grads = jax.value_and_grad(fn, argnums=(0, 1))(params, state)
         return (*fmp.optax.float8_step(tx, grads, opt_state, params, state), loss)
 
+    return tx, state, step
+
+
+def train(task: dict[str, Any], recipe: str | None, keep: tuple[str, ...] = (), pow2: bool = True) -> dict[str, Any]:
+    """Trains one model under ``mixed_bfloat16`` (recipe None) or a float8 recipe; returns the loss curve."""
+    tx, state, step = make_step(task, recipe, keep, pow2)
+    params = task["init"]
+    opt_state = tx.init(params)
     step = jax.jit(step)
     t0 = time.perf_counter()
     losses = []
@@ -138,6 +158,28 @@ def train(task: dict[str, Any], recipe: str | None, keep: tuple[str, ...] = ()) 
     seconds = time.perf_counter() - t0
     final = float(jax.jit(task["loss"])(params, *map(jnp.asarray, task["eval"])))  # float32, no autocast
     return {"recipe": recipe or "bfloat16", "loss": losses, "final": final, "seconds": seconds}
+
+
+def train_seeds(
+    per_seed: list[dict[str, Any]], recipe: str | None, keep: tuple[str, ...] = (), pow2: bool = True
+) -> np.ndarray:
+    """Final losses of one run per seed (same model, shapes and policy), as one program: ``vmap`` over the
+    seeds of a ``scan`` over the steps. Each seed's run is the run ``train`` makes, batched."""
+    tx, state, step = make_step(per_seed[0], recipe, keep, pow2)
+    stack = lambda *xs: jnp.stack([jnp.asarray(x) for x in xs])  # noqa: E731
+    params = jax.tree.map(stack, *[t["init"] for t in per_seed])
+    xs, ys = (stack(*[stack(*[b[i] for b in t["batches"]]) for t in per_seed]) for i in (0, 1))
+    ex, ey = (stack(*[t["eval"][i] for t in per_seed]) for i in (0, 1))
+
+    def one_seed(params, xs, ys, ex, ey):
+        def body(carry, batch):
+            *carry, _ = step(*carry, *batch)
+            return tuple(carry), None
+
+        (params, _, _), _ = jax.lax.scan(body, (params, tx.init(params), state), (xs, ys))
+        return per_seed[0]["loss"](params, ex, ey)  # float32, no autocast
+
+    return np.asarray(jax.jit(jax.vmap(one_seed))(params, xs, ys, ex, ey), np.float64)
 
 
 def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -184,26 +226,30 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
 def over_seeds(args: argparse.Namespace, recipes: list[str], seeds: list[int]) -> dict[str, dict[str, list[float]]]:
     """Final losses per model and policy, one run per seed (initial parameters, batches and data split);
-    prints each policy's mean, the relative difference of the means to bfloat16's, and the largest per-seed
-    relative difference."""
+    prints each policy's mean, the relative difference of the means to bfloat16's with its standard error
+    (paired by seed), and the largest per-seed relative difference."""
+    per_seed = [tasks(argparse.Namespace(**{**vars(args), "seed": s})) for s in seeds]
+    keep = tuple(k for k in args.keep_bf16.split(",") if k)
     finals: dict[str, dict[str, list[float]]] = {}
-    for seed in seeds:
-        for name, task in tasks(argparse.Namespace(**{**vars(args), "seed": seed})).items():
-            if name not in args.models.split(","):
-                continue
-            keep = tuple(k for k in args.keep_bf16.split(",") if k)
-            for run in [train(task, None)] + [train(task, r, keep) for r in recipes]:
-                finals.setdefault(name, {}).setdefault(run["recipe"], []).append(run["final"])
+    for name in args.models.split(","):
+        runs = [t[name] for t in per_seed]
+        finals[name] = {
+            r or "bfloat16": train_seeds(runs, r, keep, not args.exact_scales).tolist() for r in [None, *recipes]
+        }
     for name, by_policy in finals.items():
         ref = np.asarray(by_policy["bfloat16"])
         print(f"\n{name}: final loss over seeds {seeds}")
-        print(f"{'policy':<11} {'mean':>8} {'means vs bf16':>14} {'largest per-seed diff':>22}")
+        print(f"{'policy':<11} {'mean':>8} {'means vs bf16':>14} {'paired s.e.':>12} {'largest per-seed diff':>22}")
         for policy, vals in by_policy.items():
             v = np.asarray(vals)
+            rel = (v - ref) / ref
+            se = rel.std(ddof=1) / np.sqrt(len(rel)) if len(rel) > 1 else float("nan")
             print(
-                f"{policy:<11} {v.mean():>8.4f} {abs(v.mean() - ref.mean()) / ref.mean():>14.2%} "
-                f"{np.max(np.abs(v - ref) / ref):>22.2%}"
+                f"{policy:<11} {v.mean():>8.4f} {(v.mean() - ref.mean()) / ref.mean():>+14.2%} {se:>12.2%} "
+                f"{np.max(np.abs(rel)):>22.2%}"
             )
+    if args.json:
+        print(json.dumps(finals))
     return finals
 
 
@@ -215,6 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--models", default="mlp,transformer")
     p.add_argument("--keep-bf16", default="", help="comma-separated name scopes kept in bf16, e.g. Dense_3,lm_head")
+    p.add_argument("--exact-scales", action="store_true", help="float8 scales fp8_max / amax, not powers of two")
     p.add_argument("--out", default=".")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON (one line)")
@@ -229,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         if name not in args.models.split(","):
             continue
         keep = tuple(k for k in args.keep_bf16.split(",") if k)
-        results[name] = [train(task, None)] + [train(task, r, keep) for r in recipes]
+        results[name] = [train(task, None)] + [train(task, r, keep, not args.exact_scales) for r in recipes]
         table[name] = compare(results[name])
         if not args.json:
             print(f"\n{name}: {len(task['batches'])} steps")

@@ -7,9 +7,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, optax_not_strict
 
 
 def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -23,23 +24,37 @@ def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
     )
 
 
+RECIPES = ["tensorwise", "rowwise", "blockwise", "delayed"]
+
+
 @pytest.mark.gallery
-def test_every_recipe_trains_like_bfloat16():
-    proc = _run("--json", "--no-plot", timeout=900)
+def test_transformer_trains_like_bfloat16_with_every_recipe():
+    proc = _run("--models", "transformer", "--json", "--no-plot", timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    table = json.loads(proc.stdout.strip().splitlines()[-1])
-    for model, rows in table.items():
-        assert [r["recipe"] for r in rows] == ["bfloat16", "tensorwise", "rowwise", "blockwise", "delayed"]
-        print(model, [(r["recipe"], round(r["final_rel_diff"], 4), round(r["step_rel_diff_mean"], 4)) for r in rows])
-    for row in table["transformer"]:
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["transformer"]
+    print([(r["recipe"], round(r["final_rel_diff"], 4), round(r["step_rel_diff_mean"], 4)) for r in rows])
+    assert [r["recipe"] for r in rows] == ["bfloat16", *RECIPES]
+    for row in rows:
         assert row["final_rel_diff"] < 0.02, row  # the 2% target
         assert row["step_rel_diff_mean"] < 0.01, row
-    # The MLP memorises digits: by step 150 its held-out loss is 0.02-0.04 and any change of rounding moves it
-    # by percents either way (float8 runs landed 0.5-16% from bfloat16 across seeds and versions of the
-    # transform, above and below). The 2% target does not hold for it (the float8 guide says so); this checks
-    # that every recipe learned and stays within half of bfloat16's loss, far outside the spread seen.
-    for row in table["mlp"]:
-        assert row["final_rel_diff"] < 0.5 and row["final_loss"] < 0.05, row
+
+
+@pytest.mark.gallery
+def test_mlp_mean_final_loss_over_seeds_within_two_percent_of_bfloat16():
+    # The MLP memorises digits: on one seed any change of rounding (float32's included) moves its final loss by
+    # percents either way, float8's by up to 20-30%. Its target is therefore the mean over 64 seeds (initial
+    # parameters, batches and data split), where the standard error of a recipe's difference is about 0.7%.
+    seeds = ",".join(map(str, range(64)))
+    proc = _run("--models", "mlp", "--recipes", ",".join(RECIPES), "--seeds", seeds, "--json", timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    finals = json.loads(proc.stdout.strip().splitlines()[-1])["mlp"]
+    print(proc.stdout[: proc.stdout.rindex("{")])
+    ref = sum(finals["bfloat16"]) / 64
+    assert list(finals) == ["bfloat16", *RECIPES] and all(len(v) == 64 for v in finals.values())
+    for recipe in RECIPES:
+        mean = sum(finals[recipe]) / 64
+        assert abs(mean - ref) / ref < 0.02, (recipe, mean, ref)  # the 2% target, on the mean
+        assert max(finals[recipe]) < 0.1, recipe  # every seed learned (bfloat16's worst seed: about 0.04)
 
 
 def test_final_losses_over_seeds_are_printed_per_policy():
@@ -47,4 +62,22 @@ def test_final_losses_over_seeds_are_printed_per_policy():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.split()[:1]}
     assert "mlp: final loss over seeds [0, 1]" in proc.stdout
-    assert rows["bfloat16"][1] == "0.00%" and float(rows["tensorwise"][0]) > 0, proc.stdout
+    assert rows["bfloat16"][1] == "+0.00%" and float(rows["tensorwise"][0]) > 0, proc.stdout
+
+
+@pytest.mark.parametrize("recipe", [None, "rowwise", "delayed"])
+@optax_not_strict
+def test_runs_over_seeds_batched_equal_runs_one_by_one(recipe):
+    # the seeds table trains all seeds as one vmapped program: each seed must still be the run train() makes
+    import argparse
+
+    from examples import float8_training as ft
+
+    per_seed = [ft.tasks(argparse.Namespace(seed=s, mlp_steps=3, tf_steps=1))["mlp"] for s in (0, 1)]
+    batched = ft.train_seeds(per_seed, recipe)
+    alone = [ft.train(t, recipe)["final"] for t in per_seed]
+    assert batched.shape == (2,) and batched[0] != batched[1]
+    np.testing.assert_allclose(batched, alone, rtol=1e-3)
+    if recipe is not None:
+        exact = ft.train_seeds(per_seed, recipe, pow2=False)
+        assert not np.array_equal(exact, batched)  # --exact-scales reaches the recipe
