@@ -106,20 +106,38 @@ def test_saturating_cast_and_scales():
     assert float(_quant.quantize(jnp.array([1e9], F32), jnp.float32(1), E4M3).astype(F32)[0]) == 448.0
     assert float(_quant.quantize(jnp.array([-1e9], F32), jnp.float32(1), E5M2).astype(F32)[0]) == -57344.0
     assert float(jnp.array([1e9], F32).astype(E4M3).astype(F32)[0]) != 448.0  # the plain cast would not saturate
-    s = _quant.scale_from_amax(jnp.array([0.0, 1e-45, 2.0, jnp.inf, jnp.nan], F32), E4M3)
-    assert np.isfinite(np.asarray(s)).all()
-    np.testing.assert_array_equal(np.asarray(s)[[0, 2, 3, 4]], np.array([1, 224, 1, 1], np.float32))
+    s = _quant.scale_from_amax(jnp.array([0.0, 1e-37, 2.0, jnp.inf, jnp.nan], F32), E4M3)  # 448/1e-37: inf
+    np.testing.assert_array_equal(np.asarray(s), np.array([1, 2.0**126, 224, 1, 1], np.float32))
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
-def test_all_zero_and_tiny_tensors_give_no_nan(scaling):
+@pytest.mark.parametrize("pow2", [False, True])
+def test_all_zero_and_tiny_tensors_give_no_nan(scaling, pow2):
     x, w, g = _data()  # the shapes of the tests above: the jitted products are reused
     for xx, ww, gg in ((x * 0, w, g), (x, w * 0, g * 0), (x * 1e-42, w, g * 1e-42)):
-        out, dx, dw = lib_dot(xx, ww, gg, scaling)
+        out, dx, dw = lib_dot(xx, ww, gg, scaling, pow2)
         for a in (out, dx, dw):
             assert np.isfinite(np.asarray(a)).all()
-    out, dx, dw = lib_dot(x * 0, w, g * 0, scaling)
+    out, dx, dw = lib_dot(x * 0, w, g * 0, scaling, pow2)
     assert not np.asarray(out).any() and not np.asarray(dw).any()
+    # a tensor far below float8's range is scaled up into it (scale 2**126, whose inverse is still normal)
+    out, _, _ = lib_dot(x * 1e-37, w * 1e3, g, scaling, pow2)
+    ref = np.asarray(x @ w, np.float64) * 1e-34
+    assert np.asarray(out).any() and np.allclose(np.asarray(out), ref, rtol=0.1, atol=0.1 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("margin", [0, 3, 64])
+def test_power_of_two_scales_are_normal_powers_of_two_at_most_the_exact_scale(dtype, margin):
+    amax = jnp.asarray([0, 1e-45, 1e-37, 1e-20, 0.3, 1, 2, 448, 5e4, 1e30, 3.4e38, jnp.inf, -jnp.inf, jnp.nan], F32)
+    for wrap in (lambda f: f, jax.jit):  # eager and jitted (XLA CPU may treat the subnormal 1e-45 as 0 in one)
+        s = np.asarray(wrap(lambda a: _quant.scale_from_amax(a, dtype, pow2=True, margin=margin))(amax), np.float64)
+        exact = np.asarray(wrap(lambda a: _quant.scale_from_amax(a, dtype, margin=margin))(amax), np.float64)
+        mant, _ = np.frexp(s)
+        assert (mant == 0.5).all(), s  # powers of two
+        assert (s >= 2.0**-126).all() and (s <= 2.0**126).all() and (1 / s >= 2.0**-126).all()
+        assert (s <= exact).all() and (s > exact / 2).all()
+        assert (s[[0, 11, 12, 13]] == 2.0**-margin).all()  # zero or non-finite amax: scale 1 (before the margin)
 
 
 def test_gradient_is_quantised_to_e5m2_not_e4m3():

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
-_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # the smallest normal float32; a subnormal scale stays as it is
+_SCALE_MIN, _SCALE_MAX = 2.0**-126, 2.0**126  # a scale and its inverse stay normal float32 numbers
 
 
 def fp8_max(dtype: jax.typing.DTypeLike) -> float:
@@ -22,20 +21,21 @@ def fp8_max(dtype: jax.typing.DTypeLike) -> float:
 
 
 def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool = False, margin: int = 0) -> jax.Array:
-    """``fp8_max / amax`` in float32; 1 where ``amax`` is zero or not finite, never inf.
+    """``fp8_max / amax`` in float32; 1 where ``amax`` is zero or not finite.
 
-    A tiny ``amax`` gives the largest finite float32 instead of ``inf``; ``pow2``
-    rounds down to a power of two; ``margin`` divides by ``2**margin``.
+    ``margin`` divides by ``2**margin``; the result is clamped to ``[2**-126, 2**126]``, so that the scale and
+    its inverse are normal float32 numbers (never 0 or inf, whatever the amax: a tiny one gets ``2**126``);
+    ``pow2`` then rounds down to a power of two.
     """
     amax = amax.astype(jnp.float32)
     ok = (amax > 0) & jnp.isfinite(amax)
     scale = jnp.where(ok, jnp.float32(fp8_max(dtype)) / jnp.where(ok, amax, 1), 1)
-    scale = jnp.minimum(scale, jnp.float32(_F32_MAX))
     if margin:
         scale = scale / jnp.float32(2.0**margin)
-    if pow2:  # clear the mantissa bits: 2**floor(log2(scale)), exactly (the scale is positive and finite)
+    scale = jnp.clip(scale, jnp.float32(_SCALE_MIN), jnp.float32(_SCALE_MAX))
+    if pow2:  # clear the mantissa bits of a normal positive float32: 2**floor(log2(scale)), exactly
         bits = jax.lax.bitcast_convert_type(scale, jnp.int32) & jnp.int32(0x7F800000)
-        scale = jnp.where(scale >= _F32_TINY, jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
+        scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
     return scale.astype(jnp.float32)
 
 

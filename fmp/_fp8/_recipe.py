@@ -37,9 +37,10 @@ class Float8Recipe:
         On by default (as in torchao's rowwise recipe and the MX formats; torchao's tensorwise
         and Transformer Engine's delayed recipes default to the exact ``fp8_max / amax``):
         trained on digits, every recipe landed closer to bfloat16 with it (see the float8
-        guide). ``False`` gives the exact ``fp8_max / amax``.
+        guide). ``False`` gives the exact ``fp8_max / amax``. ``"mx"`` ignores it: MX blocks
+        always have power-of-two scales.
       history_len: For ``"delayed"``: how many steps of amax history a site keeps.
-      margin: For ``"delayed"``: scales are divided by ``2**margin``.
+      margin: For ``"delayed"``: scales are divided by ``2**margin`` (0 to 64).
       output: ``"compute"``: matmul results come out in the policy's compute dtype, as
         under the bfloat16 policy; ``"float32"``: in float32.
 
@@ -66,8 +67,8 @@ class Float8Recipe:
                 raise ValueError(f"Float8Recipe({name}=...) must be a positive int, got {value!r}")
         if not isinstance(self.pow2_scales, bool):
             raise ValueError(f"Float8Recipe(pow2_scales=...) must be True or False, got {self.pow2_scales!r}")
-        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
-            raise ValueError(f"Float8Recipe(margin=...) must be a non-negative int, got {self.margin!r}")
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or not 0 <= self.margin <= 64:
+            raise ValueError(f"Float8Recipe(margin=...) must be an int from 0 to 64 (usually 0-2), got {self.margin!r}")
         if self.output not in ("compute", "float32"):
             raise ValueError(f"Float8Recipe(output=...) must be 'compute' or 'float32', got {self.output!r}")
 
