@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from fmp._arrays import check_leaf
-from fmp._scaler import GradScaler, all_finite
+from fmp._finite import all_finite
+from fmp._scaler import GradScaler
 
 
 def _check_args(name: str, fun: Any, scaler: Any, argnums: Any, has_aux: Any) -> None:
