@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fmp._arrays import check_leaf
+from fmp._arrays import check_leaf, check_value
 
 _MSG_FINITE = (
     "finite must be a bool scalar (the flag returned by fmp.all_finite or fmp.value_and_grad), got {got}. "
@@ -221,6 +221,7 @@ def nonfinite_leaves(grads: Any) -> list[str]:
 
 def check_flag(flag: Any, name: str, where: str) -> jax.Array:
     """``flag`` as a bool scalar array; TypeError naming ``name`` (and ``where``) if it is not one."""
+    check_value(flag, where, name)
     if not (hasattr(flag, "dtype") or isinstance(flag, bool | int | float)):
         raise TypeError(_MSG_FINITE.replace("finite", name, 1).format(got=type(flag).__name__))
     flag = jnp.asarray(flag)

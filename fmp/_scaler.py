@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from fmp._arrays import check_value
 from fmp._core import _scaler_rule
 from fmp._finite import check_flag
 from fmp._scaler_checkpoint import ScalerCheckpoint, register_flax
 from fmp._scaler_ops import JaxOps, reciprocal_f64, scale_leaf, unscale_leaf
 
 _UNSET: Any = object()  # sentinel: "build the arrays from init_scale"
+
+_MSG_DEVICE_ARG = (
+    "init_scale must be a Python number, got the device string {got!r}: fmp.GradScaler is the JAX scaler and "
+    "takes no device (JAX places its arrays). For torch tensors use fmp.torch.GradScaler({got!r}) "
+    "(torch.amp.GradScaler's API); for JAX write fmp.GradScaler() or fmp.GradScaler(init_scale=2.0**16)."
+)
 
 
 @functools.partial(
@@ -78,7 +86,8 @@ class GradScaler(ScalerCheckpoint):
 
     Raises:
       ValueError: a hyper-parameter is out of range (the message names it).
-      TypeError: a hyper-parameter has the wrong type.
+      TypeError: a hyper-parameter has the wrong type; a string as ``init_scale`` (torch's device
+        argument, ``GradScaler("cuda")``) points to ``fmp.torch.GradScaler``.
 
     Examples:
       >>> scaler = fmp.GradScaler(init_scale=8.0, growth_interval=2)
@@ -108,6 +117,9 @@ class GradScaler(ScalerCheckpoint):
         leaves = (self.loss_scale, self.growth_tracker, self.consecutive_overflows)
         if all(x is not _UNSET for x in leaves):
             return
+        if isinstance(self.init_scale, str) and re.fullmatch(r"[a-z]+(:\d+)?", self.init_scale):
+            # torch's first argument is a device: GradScaler("cuda")
+            raise TypeError(_MSG_DEVICE_ARG.format(got=self.init_scale))
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
         if not isinstance(self.dynamic, bool):
@@ -205,7 +217,8 @@ class GradScaler(ScalerCheckpoint):
           counts ``consecutive_overflows``).
 
         Raises:
-          TypeError: ``finite`` is not a bool scalar, or ``new_scale`` is not a float scalar.
+          TypeError: ``finite`` is not a bool scalar, or ``new_scale`` is not a float scalar, or either
+            is another framework's array (a torch tensor: use ``fmp.torch.GradScaler``).
           ValueError: ``new_scale`` is a Python number that is not finite and > 0.
 
         Examples:
@@ -221,6 +234,7 @@ class GradScaler(ScalerCheckpoint):
         if not self.enabled:
             return self
         if new_scale is not None:
+            check_value(new_scale, "GradScaler.update", "new_scale")
             _scaler_rule.check_new_scale(new_scale)
             ns = jnp.asarray(float(new_scale) if isinstance(new_scale, int) else new_scale)
             if ns.shape != () or not jnp.issubdtype(ns.dtype, jnp.floating):
