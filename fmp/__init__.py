@@ -3,7 +3,6 @@
 ``import fmp`` imports JAX only; ``fmp.optax`` and ``fmp.torch`` import optax and torch.
 """
 
-from fmp import _flax_serialization  # noqa: F401 - registers GradScaler with flax.serialization when flax is imported
 from fmp._autocast import autocast as autocast
 from fmp._autocast import autocast_jaxpr as autocast_jaxpr
 from fmp._autocast import bwd_as_written as bwd_as_written
@@ -13,6 +12,9 @@ from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
 from fmp._core._rules import RuleSet as RuleSet
 from fmp._core._scaler_rule import ScaleHealthWarning as ScaleHealthWarning
+from fmp._finite import all_finite as all_finite
+from fmp._finite import nonfinite_leaves as nonfinite_leaves
+from fmp._finite import select_tree as select_tree
 from fmp._fp8 import Float8Recipe as Float8Recipe
 from fmp._fp8 import Float8State as Float8State
 from fmp._grad import grad as grad
@@ -22,9 +24,6 @@ from fmp._policy import Policy as Policy
 from fmp._policy import cast_tree as cast_tree
 from fmp._policy import get_policy as get_policy
 from fmp._scaler import GradScaler as GradScaler
-from fmp._scaler import all_finite as all_finite
-from fmp._scaler import nonfinite_leaves as nonfinite_leaves
-from fmp._scaler import select_tree as select_tree
 
 __version__ = "0.1.0.dev0"
 

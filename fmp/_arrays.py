@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 _MSG_FOREIGN_LEAF = (
-    "{where}: the leaf at {path} is a {kind}, not a JAX array: fmp.GradScaler and its helpers compute with JAX; for torch "
+    "{where}: {what} is a {kind}, not a JAX array: fmp.GradScaler and its helpers compute with JAX; for torch "
     "tensors use fmp.torch.GradScaler (torch.amp.GradScaler's API), or convert the leaves first "
     "(jnp.asarray(x), or jax.dlpack.from_dlpack(x) to share memory)."
 )
@@ -29,4 +29,12 @@ def check_leaf(x: Any, where: str, path: Any) -> None:
     """Raises TypeError naming the leaf if ``x`` is another framework's array."""
     kind = foreign_kind(x)
     if kind is not None:
-        raise TypeError(_MSG_FOREIGN_LEAF.format(where=where, path=jax.tree_util.keystr(path) or "the root", kind=kind))
+        what = f"the leaf at {jax.tree_util.keystr(path) or 'the root'}"
+        raise TypeError(_MSG_FOREIGN_LEAF.format(where=where, what=what, kind=kind))
+
+
+def check_value(x: Any, where: str, name: str) -> None:
+    """Raises TypeError naming the argument ``name`` if ``x`` is another framework's array."""
+    kind = foreign_kind(x)
+    if kind is not None:
+        raise TypeError(_MSG_FOREIGN_LEAF.format(where=where, what=name, kind=kind))

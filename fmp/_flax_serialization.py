@@ -1,61 +1,72 @@
-"""GradScaler in ``flax.serialization``, registered without a call and without importing flax.
+"""fmp's pytree classes in ``flax.serialization``, registered without a call and without importing flax.
 
 ``import fmp`` must not import flax (it is optional and slow to import), yet
-``flax.serialization.to_state_dict(scaler)`` has to work whichever of the two a program imports first. So:
-if ``flax.serialization`` is already imported, the scaler is registered now; otherwise a finder on
-``sys.meta_path`` waits for it and registers the scaler right after flax has executed that module. The
-finder only ever answers for ``flax.serialization``, loads it with the finder Python would have used, and
-removes itself once it has fired.
+``flax.serialization.to_state_dict(scaler)`` has to work whichever of the two a program imports first. So a
+class hands its two functions to ``register_type`` when it is defined:
+if ``flax.serialization`` is already imported, it is registered now; otherwise a finder on ``sys.meta_path``
+waits for that module and registers every handed class right after flax has executed it. The finder only
+ever answers for ``flax.serialization``, loads it with the finder Python would have used, and removes itself
+once it has fired.
 
-orbax needs nothing: it saves any pytree, and the scaler is one (``jax.tree_util.register_dataclass``).
+This module imports nothing from fmp: the classes import it (``GradScaler``, ``Float8State``), never the
+other way round. orbax needs nothing: it saves any pytree.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import importlib.abc
 import sys
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
-
-import jax.numpy as jnp
-
-from fmp._scaler import GradScaler
 
 _TARGET = "flax.serialization"
 
 _MSG_FAILED = (
-    "fmp could not register GradScaler with flax.serialization ({err}); flax.serialization.to_state_dict "
-    "will return the scaler itself. Save GradScaler.state_dict() instead, or report this flax version."
+    "fmp could not register {cls} with flax.serialization ({err}); flax.serialization.to_state_dict "
+    "will return the object itself. {fix}"
 )
 
-
-def _to_state_dict(s: GradScaler) -> dict[str, Any]:
-    return {
-        "loss_scale": s.loss_scale,
-        "growth_tracker": s.growth_tracker,
-        "consecutive_overflows": s.consecutive_overflows,
-    }
+# class -> (to_state_dict, from_state_dict, what to save instead if flax refuses the registration)
+_TYPES: dict[type, tuple[Callable[[Any], dict[str, Any]], Callable[[Any, dict[str, Any]], Any], str]] = {}
 
 
-def _from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScaler:
-    return dataclasses.replace(
-        target,
-        loss_scale=jnp.asarray(state["loss_scale"], jnp.float32),
-        growth_tracker=jnp.asarray(state["growth_tracker"], jnp.int32),
-        # absent from checkpoints written before the field existed
-        consecutive_overflows=jnp.asarray(state.get("consecutive_overflows", 0), jnp.int32),
-    )
+def register_type(
+    cls: type,
+    to_state_dict: Callable[[Any], dict[str, Any]],
+    from_state_dict: Callable[[Any, dict[str, Any]], Any],
+    fix: str,
+) -> None:
+    """Registers ``cls`` with ``flax.serialization`` now if it is imported, else as soon as it is.
+
+    ``fix`` ends the warning given if flax refuses the registration (what to save instead).
+    """
+    _TYPES[cls] = (to_state_dict, from_state_dict, fix)
+    if _TARGET in sys.modules:
+        _register(sys.modules[_TARGET], cls)
+    elif _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
 
 
-def register(serialization: ModuleType) -> None:
-    """Registers GradScaler with the given ``flax.serialization`` module (idempotent)."""
-    serialization.register_serialization_state(GradScaler, _to_state_dict, _from_state_dict, override=True)
+def register_now(cls: type) -> None:
+    """Registers ``cls`` with ``flax.serialization``, importing flax.
+
+    ``cls`` or a base class of it must have been handed to ``register_type``; a subclass gets its base's
+    functions (flax looks classes up by exact type).
+    """
+    _register(importlib.import_module(_TARGET), cls)
+
+
+def _register(serialization: ModuleType, cls: type) -> None:
+    base = next(c for c in cls.__mro__ if c in _TYPES)
+    to_state_dict, from_state_dict, _ = _TYPES[base]
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    """Wraps the real loader of ``flax.serialization``: executes the module, then registers the scaler."""
+    """Wraps the real loader of ``flax.serialization``: executes the module, then registers the classes."""
 
     def __init__(self, loader: importlib.abc.Loader):
         self._loader = loader
@@ -65,10 +76,12 @@ class _RegisteringLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        try:
-            register(module)
-        except Exception as err:  # a flax API change must not break importing flax
-            warnings.warn(_MSG_FAILED.format(err=f"{type(err).__name__}: {err}"), RuntimeWarning, stacklevel=2)
+        for cls, (_, _, fix) in list(_TYPES.items()):
+            try:
+                _register(module, cls)
+            except Exception as err:  # a flax API change must not break importing flax
+                err_text = f"{type(err).__name__}: {err}"
+                warnings.warn(_MSG_FAILED.format(cls=cls.__name__, err=err_text, fix=fix), RuntimeWarning, stacklevel=2)
 
     def __getattr__(self, name: str) -> Any:  # get_data, get_resource_reader, ... of the real loader
         return getattr(self._loader, name)
@@ -97,14 +110,3 @@ _finder = _FlaxSerializationFinder()
 def uninstall() -> None:
     while _finder in sys.meta_path:
         sys.meta_path.remove(_finder)
-
-
-def install() -> None:
-    """Registers now if ``flax.serialization`` is imported, else when it is."""
-    if _TARGET in sys.modules:
-        register(sys.modules[_TARGET])
-    elif _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
-
-
-install()

@@ -21,14 +21,23 @@ import jax
 import jax.numpy as jnp
 
 from fmp._arrays import check_leaf
-from fmp._scaler import GradScaler, all_finite
+from fmp._finite import all_finite
+from fmp._scaler import GradScaler
+
+_MSG_NO_SCALER = (
+    "fmp.{name}(fun, scaler) needs scaler, an fmp.GradScaler; got {got}. Make one with scaler = "
+    "fmp.GradScaler() (dynamic loss scaling, for float16) and carry it through the train step like the params: "
+    "the function returns the next one. bfloat16 needs no loss scaling: pass fmp.GradScaler.static(1.0) (keeps "
+    "the finite flag) or use plain jax.{name}."
+)
 
 
 def _check_args(name: str, fun: Any, scaler: Any, argnums: Any, has_aux: Any) -> None:
     if not callable(fun):
         raise TypeError(f"{name}(fun) expects a callable (the loss function), got {type(fun).__name__}")
     if not isinstance(scaler, GradScaler):
-        raise TypeError(f"scaler must be an fmp.GradScaler, got {type(scaler).__name__}")
+        got = "no scaler" if scaler is None else f"a {type(scaler).__name__}"
+        raise TypeError(_MSG_NO_SCALER.format(name=name, got=got))
     nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
     if not nums or any(isinstance(n, bool) or not isinstance(n, int) for n in nums):
         raise TypeError(f"argnums must be an int or a non-empty sequence of ints, got {argnums!r}")
@@ -72,7 +81,7 @@ def _scaled_grads(
 
 
 def value_and_grad(
-    fun: Callable[..., Any], scaler: GradScaler, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fun: Callable[..., Any], scaler: GradScaler | None = None, argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, Any, jax.Array, GradScaler]]:
     """Like ``jax.value_and_grad``, with loss scaling: returns the loss, true gradients, a finite flag and the next scaler.
 
@@ -88,7 +97,8 @@ def value_and_grad(
 
     Args:
       fun: Returns a float scalar loss, or ``(loss, aux)`` with ``has_aux=True``.
-      scaler: The current [`fmp.GradScaler`][fmp.GradScaler].
+      scaler: The current [`fmp.GradScaler`][fmp.GradScaler] (required: without one the error says how to
+        make one; bfloat16 needs none, see Raises).
       argnums: Which positional argument(s) to differentiate, as in ``jax.grad``.
       has_aux: Whether ``fun`` returns ``(loss, aux)``.
 
@@ -99,9 +109,10 @@ def value_and_grad(
       step. With a disabled scaler nothing is scaled and ``finite`` is always True.
 
     Raises:
-      TypeError: ``fun`` is not callable, ``scaler`` is not a GradScaler, ``argnums`` is not an int
-        or a sequence of ints, ``has_aux`` is not a bool, or ``fun`` does not return a float scalar
-        loss. Integer or bool arguments named in ``argnums`` get ``jax.grad``'s own TypeError.
+      TypeError: ``fun`` is not callable, ``scaler`` is missing or not a GradScaler (bfloat16 needs
+        no loss scaling: ``fmp.GradScaler.static(1.0)`` or plain ``jax.value_and_grad``), ``argnums``
+        is not an int or a sequence of ints, ``has_aux`` is not a bool, or ``fun`` does not return a
+        float scalar loss. Integer or bool arguments named in ``argnums`` get ``jax.grad``'s own TypeError.
 
     Examples:
       >>> def loss_fn(w, x):
@@ -122,7 +133,7 @@ def value_and_grad(
 
 
 def grad(
-    fun: Callable[..., Any], scaler: GradScaler, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fun: Callable[..., Any], scaler: GradScaler | None = None, argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, jax.Array, GradScaler]]:
     """Like ``jax.grad``, with loss scaling; see [`fmp.value_and_grad`][fmp.value_and_grad].
 

@@ -9,7 +9,8 @@ import jax
 
 from fmp._core import _scaler_rule
 from fmp._core._scaler_rule import ScaleHealthWarning
-from fmp._scaler import GradScaler, nonfinite_leaves
+from fmp._finite import nonfinite_leaves
+from fmp._scaler import GradScaler
 
 _MSG_NO_SCALER = (
     "check_scaler_health(state): expected an fmp.GradScaler, a state holding exactly one "

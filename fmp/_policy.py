@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, TypeVar
 
 import jax
@@ -25,27 +26,30 @@ FP8_PRESETS: dict[str, tuple[str, str, str, str]] = {
     "mixed_float8": ("float32", "bfloat16", "float32", "tensorwise"),
 }
 
-_KEYS = {
-    "params": "param",
-    "param": "param",
-    "p": "param",
-    "compute": "compute",
-    "c": "compute",
-    "output": "output",
-    "o": "output",
-    "fp8": "fp8",
-}
+# the keys of a key=dtype spec, per field: a long name and jmp's short form (jmp's own spellings); nothing else
+# is taken, so a near miss ("param=", "outputs=") is an error that names the key it meant
+_KEY_SPELLINGS = {"param": ("params", "p"), "compute": ("compute", "c"), "output": ("output", "o"), "fp8": ("fp8",)}
+_KEYS = {key: field for field, keys in _KEY_SPELLINGS.items() for key in keys}
+_ACCEPTED_KEYS = ", ".join("|".join(keys) for keys in _KEY_SPELLINGS.values())
 
 _MSG_SPEC_FORMAT = (
     "A policy spec is a preset ({presets}), a single dtype (all three fields), or comma-separated "
-    "key=dtype pairs with keys params|p, compute|c, output|o, e.g. 'params=float32,compute=bfloat16,output=float32' "
+    "key=dtype pairs with keys {keys}, e.g. 'params=float32,compute=bfloat16,output=float32' "
     "or 'p=f32,c=bf16,o=f32' (add fp8=tensorwise|rowwise|blockwise|delayed|mx for float8 matmuls). "
     "Accepted dtypes: {dtypes}."
 )
+_MSG_UNKNOWN_KEY = "get_policy(spec): unknown key {key!r} in {token!r}{hint}; the accepted keys are {keys}. {help}"
 
 
 def _spec_help() -> str:
-    return _MSG_SPEC_FORMAT.format(presets=", ".join([*PRESETS, *FP8_PRESETS]), dtypes=_dtypes.accepted_spellings())
+    presets = ", ".join([*PRESETS, *FP8_PRESETS])
+    return _MSG_SPEC_FORMAT.format(presets=presets, keys=_ACCEPTED_KEYS, dtypes=_dtypes.accepted_spellings())
+
+
+def _unknown_key(key: str, token: str) -> str:
+    near = difflib.get_close_matches(key.lower(), list(_KEYS), n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return _MSG_UNKNOWN_KEY.format(key=key, token=token, hint=hint, keys=_ACCEPTED_KEYS, help=_spec_help())
 
 
 def _to_name(value: Any, field: str) -> str:
@@ -182,9 +186,9 @@ def get_policy(spec: str | Policy) -> Policy:
     * presets ``"mixed_bfloat16"`` (f32 params, bf16 compute, f32 output),
       ``"mixed_float16"`` and ``"float32"``;
     * a single dtype such as ``"bf16"``: all three fields;
-    * comma-separated ``key=dtype`` pairs, keys ``params``/``param``/``p``,
-      ``compute``/``c``, ``output``/``o``; dtypes ``float16``/``f16``/``half``,
-      ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``;
+    * comma-separated ``key=dtype`` pairs, keys ``params``/``p``,
+      ``compute``/``c``, ``output``/``o`` (jmp's; no other spelling); dtypes
+      ``float16``/``f16``/``half``, ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``;
       and ``fp8=<scaling>`` (``tensorwise``, ``rowwise``, ``blockwise``,
       ``delayed``, ``mx``) for float8 matmuls;
     * ``"mixed_float8"``: the ``mixed_bfloat16`` dtypes with tensorwise float8
@@ -232,7 +236,7 @@ def get_policy(spec: str | Policy) -> Policy:
             raise ValueError(f"get_policy(spec): entry {token!r} is not of the form key=dtype. {_spec_help()}")
         field = _KEYS.get(key.strip().lower())
         if field is None:
-            raise ValueError(f"get_policy(spec): unknown key {key.strip()!r} in {token!r}. {_spec_help()}")
+            raise ValueError(_unknown_key(key.strip(), token))
         if field in fields:
             raise ValueError(f"get_policy(spec): {field} is given twice (in {token!r}). {_spec_help()}")
         if field == "fp8":

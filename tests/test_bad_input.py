@@ -267,9 +267,9 @@ def test_value_and_grad_arguments_are_checked(wrap):
     loss = lambda w: jnp.sum(w)  # noqa: E731
     with pytest.raises(TypeError, match=re.escape(f"{name}(fun) expects a callable (the loss function), got int")):
         wrap(3, s)
-    with pytest.raises(TypeError, match="scaler must be an fmp.GradScaler, got NoneType"):
+    with pytest.raises(TypeError, match=re.escape(f"fmp.{name}(fun, scaler) needs scaler, an fmp.GradScaler; got no")):
         wrap(loss, None)
-    with pytest.raises(TypeError, match="scaler must be an fmp.GradScaler, got dict"):
+    with pytest.raises(TypeError, match="needs scaler, an fmp.GradScaler; got a dict"):
         wrap(loss, fmp.GradScaler().state_dict())
     for argnums in ("a", 1.0, (), (0, "x"), True):
         with pytest.raises(TypeError, match="argnums must be an int or a non-empty sequence of ints, got"):
@@ -620,3 +620,83 @@ def test_rule_set_derive_arguments():
         fmp.Category("x")
     # documented pass-through: a name the table does not know is a new op, and may be given a category
     assert rules.derive(float32=["my_custom_prim"]).category("my_custom_prim") is fmp.Category.FLOAT32
+
+
+# --- misuse that used to pass or gave a message without the fix ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "key", "hint"),
+    [
+        ("param=float32,compute=bfloat16,output=float32", "param", " (did you mean 'params'?)"),
+        ("params=float32,outputs=float32", "outputs", " (did you mean 'output'?)"),
+        ("cmp=bf16", "cmp", " (did you mean 'compute'?)"),
+        ("dtype=bf16", "dtype", ""),
+    ],
+)
+def test_policy_spec_takes_only_the_documented_keys(spec, key, hint):
+    # before: "param=" was taken as "params=" although the message and jmp list only params|p
+    token = next(t for t in spec.split(",") if t.startswith(key + "="))
+    with pytest.raises(ValueError) as err:
+        fmp.get_policy(spec)
+    msg = str(err.value)
+    first = f"get_policy(spec): unknown key {key!r} in {token!r}{hint}; the accepted keys are params|p, compute|c, "
+    assert msg.startswith(first + "output|o, fp8. A policy spec is a preset (mixed_bfloat16, "), msg
+    for ok in ("params=f32,compute=bf16,output=f32", "p=f32,c=bf16,o=f32", "PARAMS=f32, C=bf16"):
+        assert fmp.get_policy(ok) == fmp.get_policy("mixed_bfloat16")
+
+
+def test_jax_grad_scaler_given_a_device_points_to_the_torch_scaler():
+    # before: "init_scale must be a Python number, got 'cuda' of type str"
+    for device in ("cuda", "cpu", "cuda:1"):
+        with pytest.raises(TypeError) as err:
+            fmp.GradScaler(device)
+        assert str(err.value) == (
+            f"init_scale must be a Python number, got the device string {device!r}: fmp.GradScaler is the JAX "
+            f"scaler and takes no device (JAX places its arrays). For torch tensors use fmp.torch.GradScaler("
+            f"{device!r}) (torch.amp.GradScaler's API); for JAX write fmp.GradScaler() or "
+            "fmp.GradScaler(init_scale=2.0**16)."
+        )
+    with pytest.raises(TypeError, match="^init_scale must be a Python number, got '1e4' of type str$"):
+        fmp.GradScaler("1e4")
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", fmp.get_policy("p=f32,c=f16")], ids=["str", "Policy"])
+def test_autocast_with_the_policy_first_says_it_transforms_a_function(policy):
+    # before: a str first gave "autocast(fn) expects a callable, got str" with no word on the context-manager form
+    got = policy if isinstance(policy, str) else str(policy)
+    msg = (
+        f"fmp.autocast(fn, policy) is a function transform and takes the function first, got the policy {got!r}: "
+        f"write fmp.autocast(fn, {got!r}), or @fmp.autocast(policy={got!r}) on a def. It is not a context manager "
+        "(`with fmp.autocast(...)`); for torch code the context manager is fmp.torch.autocast: "
+        f"with fmp.torch.autocast('cpu', policy={got!r}): (or 'cuda')."
+    )
+    with pytest.raises(TypeError) as err:
+        with fmp.autocast(policy):
+            pass
+    assert str(err.value) == msg
+    with pytest.raises(TypeError) as err:
+
+        @fmp.autocast(policy)
+        def f(x):
+            return x
+
+    assert str(err.value) == msg
+
+
+@pytest.mark.parametrize("wrap", [fmp.value_and_grad, fmp.grad])
+def test_loss_scaled_grad_without_a_scaler_says_how_to_make_one(wrap):
+    # before: Python's "missing 1 required positional argument: 'scaler'"
+    name = wrap.__name__
+    with pytest.raises(TypeError) as err:
+        wrap(lambda w: jnp.sum(w))
+    assert str(err.value) == (
+        f"fmp.{name}(fun, scaler) needs scaler, an fmp.GradScaler; got no scaler. Make one with scaler = "
+        "fmp.GradScaler() (dynamic loss scaling, for float16) and carry it through the train step like the params: "
+        "the function returns the next one. bfloat16 needs no loss scaling: pass fmp.GradScaler.static(1.0) (keeps "
+        f"the finite flag) or use plain jax.{name}."
+    )
+    # the advice works: a static scale of 1 gives jax's own gradients
+    g = jax.grad(lambda w: jnp.sum(w**2))(jnp.arange(3.0))
+    out = wrap(lambda w: jnp.sum(w**2), fmp.GradScaler.static(1.0))(jnp.arange(3.0))
+    assert out[-3 if name == "value_and_grad" else 0].tolist() == g.tolist()

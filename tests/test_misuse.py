@@ -28,6 +28,10 @@ _FIX_SCALER = (
         (lambda s, t: fmp.all_finite({"w": [jnp.ones(2), t]}), "all_finite(tree): the leaf at ['w'][1]"),
         (lambda s, t: fmp.nonfinite_leaves({"w": t}), "nonfinite_leaves(grads): the leaf at ['w']"),
         (lambda s, t: fmp.select_tree(jnp.array(True), {"w": t}, {"w": t}), "select_tree(a): the leaf at ['w']"),
+        # before: a torch bool tensor was taken as the finite flag, and a torch scalar as the new scale
+        (lambda s, t: s.update(t[0] > 0), "GradScaler.update: finite"),
+        (lambda s, t: s.update(new_scale=t.sum()), "GradScaler.update: new_scale"),
+        (lambda s, t: fmp.select_tree(t[0] > 0, {"w": jnp.ones(2)}, {"w": jnp.zeros(2)}), "select_tree: pred"),
         (
             lambda s, t: fmp.value_and_grad(lambda w: jnp.sum(w), s)(t),
             "fmp.value_and_grad: an argument: the leaf at [0][0]",

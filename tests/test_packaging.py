@@ -73,17 +73,53 @@ def test_autocast_modules_form_no_cycle():
     assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru"}, graph["_interp"]
     assert graph["_provenance"] <= {"_lru"}, graph["_provenance"]
     assert graph["_lru"] == set(), graph["_lru"]
+    _assert_no_cycle(graph)
+
+
+def _assert_no_cycle(graph: dict[str, set[str]]) -> None:
     done: set[str] = set()
 
     def visit(mod: str, path: tuple[str, ...]) -> None:
-        assert mod not in path, f"import cycle: {' -> '.join((*path, mod))}"
+        assert mod not in path, f"import cycle: {' -> '.join((*path[path.index(mod) :], mod))}"
         if mod not in done:
-            for dep in graph[mod]:
+            for dep in sorted(graph[mod]):
                 visit(dep, (*path, mod))
             done.add(mod)
 
-    for mod in graph:
+    for mod in sorted(graph):
         visit(mod, ())
+
+
+def _fmp_import_graph() -> dict[str, set[str]]:
+    """``{module: fmp modules it imports}`` over every module of fmp, function-level imports included.
+
+    ``from fmp.pkg import name`` is an edge to ``fmp.pkg.name`` when that is a module, else to ``fmp.pkg``; the
+    implicit import of a parent package is not an edge (every submodule has it).
+    """
+    mods = {}
+    for path in (ROOT / "fmp").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        deps = graph.setdefault(mod, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{mod}: relative import"
+                base = node.module or ""
+                deps.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        deps &= mods.keys() - {mod}
+    return graph
+
+
+def test_fmp_modules_form_no_import_cycle():
+    # imports point downward across the whole package: no module imports (at the top or in a function) one
+    # that imports it back, directly or through others
+    graph = _fmp_import_graph()
+    assert {"fmp._scaler", "fmp._flax_serialization", "fmp.torch._fx"} <= graph.keys()
+    _assert_no_cycle(graph)
 
 
 def test_eight_fake_devices_helper():

@@ -13,7 +13,7 @@ import fmp
 from fmp._core import _dtypes
 
 SPELLINGS = [(alias, name) for name, aliases in _dtypes.FLOAT_ALIASES.items() for alias in aliases]
-KEYS = {"param": ["params", "param", "p"], "compute": ["compute", "c"], "output": ["output", "o"]}
+KEYS = {"param": ["params", "p"], "compute": ["compute", "c"], "output": ["output", "o"]}
 
 
 @pytest.mark.parametrize(("alias", "name"), SPELLINGS)

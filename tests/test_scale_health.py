@@ -357,13 +357,13 @@ def test_torch_facade_warns_once_per_long_run_of_skipped_steps():
 
 
 def test_nonfinite_leaves_compiles_once_and_a_healthy_check_does_not_scan_the_grads(monkeypatch):
-    from fmp import _health, _scaler
+    from fmp import _finite, _health
 
     grads = {"w": jnp.ones(3), "b": jnp.array([jnp.nan])}
     assert fmp.nonfinite_leaves(grads) == ["['b']"]
-    before = _scaler._leaf_flags._cache_size()
+    before = _finite._leaf_flags._cache_size()
     assert fmp.nonfinite_leaves({"w": jnp.ones(3), "b": jnp.array([1.0])}) == []
-    assert _scaler._leaf_flags._cache_size() == before  # same structure: no new trace
+    assert _finite._leaf_flags._cache_size() == before  # same structure: no new trace
 
     scans = []
     monkeypatch.setattr(_health, "nonfinite_leaves", lambda g: scans.append(g) or ["['b']"])

@@ -146,6 +146,28 @@ def test_flax_and_orbax_need_no_registration_call_when_fmp_comes_first(tmp_path)
     ]
 
 
+@pytest.mark.parametrize("first", ["flax", "fmp"])
+def test_flax_serialization_of_every_fmp_state_needs_no_call_in_either_import_order(first):
+    # GradScaler and Float8State both: before, Float8State was registered only when flax came first
+    imports = ["import flax.serialization as ser", "import fmp"]
+    out = run_python(
+        "\n".join(imports if first == "flax" else imports[::-1])
+        + """
+import dataclasses
+import jax.numpy as jnp
+s = fmp.GradScaler(init_scale=8.0).update(jnp.array(False))
+print(sorted(ser.to_state_dict(s)), float(ser.from_bytes(fmp.GradScaler(), ser.to_bytes(s)).loss_scale))
+blank = fmp.Float8State.zeros(["a"], fmp.Float8Recipe("delayed", history_len=2))
+st = dataclasses.replace(blank, amax_history=blank.amax_history + 3.0)
+print(sorted(ser.to_state_dict(st)), ser.from_bytes(blank, ser.to_bytes(st)).amax_history.tolist())
+"""
+    )
+    assert out.strip().split("\n") == [
+        "['consecutive_overflows', 'growth_tracker', 'loss_scale'] 4.0",
+        "['amax_history'] [[[3.0, 3.0], [3.0, 3.0], [3.0, 3.0]]]",
+    ]
+
+
 def test_orbax_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     s = _fmp_steps(fmp.GradScaler(**HP), FLAGS[:7])

@@ -17,6 +17,13 @@ from fmp._core._rules import RuleSet
 from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
 
+_MSG_POLICY_FIRST = (
+    "fmp.autocast(fn, policy) is a function transform and takes the function first, got the policy {got!r}: "
+    "write fmp.autocast(fn, {got!r}), or @fmp.autocast(policy={got!r}) on a def. It is not a context manager "
+    "(`with fmp.autocast(...)`); for torch code the context manager is fmp.torch.autocast: "
+    "with fmp.torch.autocast('cpu', policy={got!r}): (or 'cuda')."
+)
+
 
 def autocast(
     fn: Callable[..., Any] | None = None,
@@ -70,8 +77,10 @@ def autocast(
         value: a float64 model, an integer-only function), or an ``overrides`` key matches no scope.
 
     Raises:
-      TypeError: ``fn`` is not callable, or ``rules``/``overrides`` have the wrong type; an argument
-        is another framework's array (a torch tensor), which autocast cannot see.
+      TypeError: ``fn`` is not callable (a policy given first, as in
+        ``with fmp.autocast("mixed_bfloat16"):``, says to write ``fmp.autocast(fn, policy)``, or
+        ``fmp.torch.autocast`` for the context-manager form), or ``rules``/``overrides`` have the wrong
+        type; an argument is another framework's array (a torch tensor), which autocast cannot see.
       ValueError: an unknown policy spec; a banned op under a float16 policy.
 
     Examples:
@@ -88,6 +97,8 @@ def autocast(
         return functools.partial(
             autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides, fp8_state=fp8_state
         )
+    if isinstance(fn, str | Policy):
+        raise TypeError(_MSG_POLICY_FIRST.format(got=fn if isinstance(fn, str) else str(fn)))
     if not callable(fn):
         raise TypeError(
             f"autocast(fn) expects a callable, got {type(fn).__name__}; "

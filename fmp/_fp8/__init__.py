@@ -1,7 +1,7 @@
 """Float8 matmuls: quantisation math, scaling recipes and the delayed-scaling state.
 
-Readable alone: imports only JAX and ``fmp._core``. The autocast interpreter
-calls ``fmp._fp8._bind.bind_float8`` for equations in the rule table's
+Readable alone: imports only JAX, ``fmp._core`` and ``fmp._flax_serialization`` (a hook with no fmp
+imports). The autocast interpreter calls ``fmp._fp8._bind.bind_float8`` for equations in the rule table's
 ``float8`` category under a policy with an fp8 recipe.
 """
 

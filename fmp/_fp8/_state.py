@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from fmp import _flax_serialization
 from fmp._fp8 import _dot, _quant
 from fmp._fp8._recipe import Float8Recipe
 
@@ -83,17 +83,30 @@ class Float8State:
             axis=1,
         )
 
-    @staticmethod
-    def register_flax_serialization() -> None:
-        """Registers ``Float8State`` with ``flax.serialization`` (done at import when flax is loaded)."""
-        from flax import serialization
+    @classmethod
+    def register_flax_serialization(cls) -> None:
+        """Registers ``Float8State`` with ``flax.serialization`` now (imports flax).
 
-        serialization.register_serialization_state(
-            Float8State,
-            lambda s: {"amax_history": s.amax_history},
-            lambda t, d: dataclasses.replace(t, amax_history=jnp.asarray(d["amax_history"], _F32)),
-            override=True,
-        )
+        Not needed: ``import fmp`` arranges for the registration to happen whenever flax is imported,
+        before or after fmp. Kept for code that calls it; calling it again is harmless.
+        """
+        _flax_serialization.register_now(cls)
+
+
+def _flax_state(s: Float8State) -> dict[str, Any]:
+    return {"amax_history": s.amax_history}
+
+
+def _from_flax_state(target: Float8State, state: dict[str, Any]) -> Float8State:
+    return dataclasses.replace(target, amax_history=jnp.asarray(state["amax_history"], _F32))
+
+
+_flax_serialization.register_type(
+    Float8State,
+    _flax_state,
+    _from_flax_state,
+    "Save the state with orbax or pickle instead, or report this flax version.",
+)
 
 
 class SiteFeeder:
@@ -168,7 +181,3 @@ def delayed_dot_general(
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)
     return _delayed_matmul(a, b, history, recipe, jnp.dtype(out_dtype)).reshape(oshape)
-
-
-if "flax.serialization" in sys.modules:  # pragma: no cover - depends on import order
-    Float8State.register_flax_serialization()
