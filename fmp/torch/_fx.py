@@ -87,7 +87,10 @@ def autocast_graph(
     Each op listed for the tensors' device gets ``aten._to_copy`` casts on its
     eligible inputs (floating, not float64, same device), exactly as
     ``torch.autocast`` would cast them; traced autocast regions inside keep their
-    own settings. The input graph is not modified.
+    own settings. The input graph is not modified. Trace the graph under
+    ``torch.autocast`` with the same dtype (as ``autocast_fx`` does): a graph
+    traced in float32 records conversions that were no-ops then (``x.to(device)``,
+    ``.float()`` of a float32 value) in ways eager autocast does not run them.
 
     Args:
       graph_module: A ``torch.fx.GraphModule`` whose nodes have ``meta["val"]``.

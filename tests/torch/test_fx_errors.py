@@ -209,3 +209,28 @@ def test_written_casts_in_exported_graph_do_not_warn(cast):
         warnings.simplefilter("error")
         gm = fmp.torch.autocast_graph(exported, ("cpu", torch.bfloat16))
     assert torch.equal(gm(x), _eager(model, x))
+
+
+class _Aliases(nn.Module):
+    """Upcasts a low-precision activation for one use and keeps using the activation itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.float().softmax(-1), h * 2
+
+
+def test_no_op_conversion_aliases_later_uses_unless_traced_under_autocast():
+    model, x = _Aliases(), torch.randn(2, 4)
+    expected = _eager(model, x)
+    assert [t.dtype for t in expected] == [torch.float32, torch.bfloat16]
+    # traced in float32, h.float() returned h, so `h * 2` was recorded as a use of the cast (not reported)
+    exported = torch.export.export(model, (x,)).module()
+    assert [t.dtype for t in fmp.torch.autocast_graph(exported, "cpu")(x)] == [torch.float32, torch.float32]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = torch.export.export(model, (x,)).module()
+    for got, ref in zip(fmp.torch.autocast_graph(under, "cpu")(x), expected, strict=True):
+        assert torch.equal(got, ref)
