@@ -138,7 +138,7 @@ def is_traced_move(node: torch.fx.Node, args: tuple, vals: dict[torch.fx.Node, A
 
 
 def warn_traced_moves(moves: list[tuple[torch.fx.Node, torch.dtype]]) -> None:
-    """One warning naming the ``to.dtype_layout`` nodes :func:`is_traced_move` found, and where they come from."""
+    """One warning naming the ``to.dtype_layout`` nodes ``is_traced_move`` found, and where they come from."""
     if not moves:
         return
     named = []
