@@ -21,20 +21,10 @@ from torch.utils import _pytree as pytree
 
 from fmp._core._rules import RuleSet
 from fmp.torch._fx_casts import GRAD_LEAF, is_grad_leaf
-from fmp.torch._fx_common import _MSG_NO_META, Event, ambient_autocast
+from fmp.torch._fx_common import Event, ambient_autocast
 from fmp.torch._fx_policy import resolve_policy
 from fmp.torch._fx_rewrite import Rewriter
-
-_MSG_OUTPUT = (
-    "autocast_fx traces programs whose outputs are tensors and plain values in pytree containers (tuples, lists, "
-    "dicts, dataclasses torch's pytree knows, Hugging Face ModelOutput); output {path} is a {kind}, which torch's "
-    "pytree cannot flatten, so neither autocast_fx nor torch.export can trace it.{hint}"
-)
-_HINT_CACHE = (
-    " It is a Hugging Face KV cache: call the model with use_cache=False (for training and single forward "
-    "passes the cache is unused), e.g. functools.partial(model, use_cache=False) or model.config.use_cache = False."
-)
-_PLAIN_OUTPUTS = (torch.Tensor, int, float, bool, complex, str, type(None), torch.dtype, torch.device)
+from fmp.torch._fx_trace_errors import check_meta, check_outputs, raise_trace_failure, warn_traced_moves
 
 
 def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
@@ -65,9 +55,7 @@ def rewrite(
     events: list[Event] | None = None,
 ) -> torch.fx.GraphModule:
     """The transform behind [`autocast_graph`][fmp.torch.autocast_graph] (policy already resolved)."""
-    for node in graph_module.graph.nodes:
-        if isinstance(node.target, torch._ops.OpOverload) and "val" not in node.meta:
-            raise ValueError(_MSG_NO_META.format(node=node.name))
+    check_meta(graph_module.graph)
     attrs = _attrs(graph_module)
     rw = Rewriter(rules, {device_type: (True, dtype)}, _fake_mode_of(graph_module.graph), attrs, events)
     out = rw.run(graph_module.graph, {})
@@ -80,6 +68,7 @@ def rewrite(
     used = {n.target for n in rw.graph.nodes if n.op in ("get_attr", "call_module")}
     new = torch.fx.GraphModule({k: v for k, v in rw.attrs.items() if k in used}, rw.graph)
     new.meta.update(getattr(graph_module, "meta", {}))
+    warn_traced_moves(rw.traced_moves)
     return new
 
 
@@ -98,7 +87,10 @@ def autocast_graph(
     Each op listed for the tensors' device gets ``aten._to_copy`` casts on its
     eligible inputs (floating, not float64, same device), exactly as
     ``torch.autocast`` would cast them; traced autocast regions inside keep their
-    own settings. The input graph is not modified.
+    own settings. The input graph is not modified. Trace the graph under
+    ``torch.autocast`` with the same dtype (as ``autocast_fx`` does): a graph
+    traced in float32 records conversions that were no-ops then (``x.to(device)``,
+    ``.float()`` of a float32 value) in ways eager autocast does not run them.
 
     Args:
       graph_module: A ``torch.fx.GraphModule`` whose nodes have ``meta["val"]``.
@@ -113,8 +105,16 @@ def autocast_graph(
       A new ``GraphModule`` with the same calling convention and no autocast state.
 
     Raises:
-      ValueError, TypeError: a malformed policy or rule set.
+      ValueError, TypeError: a malformed policy or rule set; a graph without
+        ``meta["val"]`` (``torch.fx.symbolic_trace``: the message names the
+        node and the tracers that record it).
       RuntimeError: a banned op (CUDA ``binary_cross_entropy``) under autocast.
+
+    Warns:
+      UserWarning: the graph was traced without autocast and records a device
+        move (``x.to(device)``) as a cast to the dtype seen while tracing, which
+        now casts an autocast-lowered value back to float32 (eager autocast keeps
+        it); trace under autocast instead.
 
     Examples:
       >>> import torch
@@ -161,7 +161,7 @@ def trace(
             out = torch.func.functional_call(module, dict(zip(names, leaves[: len(names)], strict=True)), tuple(args))
         else:
             out = fn_or_module(*args)
-        _check_outputs(out)
+        check_outputs(out)
         out_leaves, spec = pytree.tree_flatten(out)
         out_spec.append(spec)
         return out_leaves
@@ -172,8 +172,8 @@ def trace(
     # still the raw pre-dispatch ops (pre-dispatch tracing sits above the Autocast key); only their
     # recorded values show autocast's dtypes. Fake tensors first (no compute); ops without a fake
     # kernel need a real trace. Tensors a function closes over become constants of the graph.
-    attempts = ("fake", "real")
-    for i, mode in enumerate(attempts):
+    errors: list[BaseException] = []
+    for mode in ("fake", "real"):
         out_spec.clear()
         ctx = ambient_autocast({device_type: (True, dtype)})
         leaves = [*state.values(), *in_leaves]
@@ -185,9 +185,10 @@ def trace(
                     flat, pre_dispatch=True, tracing_mode=mode, _allow_non_fake_inputs=True, record_stack_traces=True
                 )(*leaves)
             break
-        except (RuntimeError, NotImplementedError, Warning):  # Warning: when warnings are errors
-            if i == len(attempts) - 1:
-                raise
+        except (RuntimeError, NotImplementedError, Warning) as err:  # Warning: when warnings are errors
+            errors.append(err)
+    else:
+        raise_trace_failure(*errors)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][len(names) :]
     for node, leaf in zip(inputs, in_leaves, strict=True):  # torch's cast cache keeps casts of these
         node.meta[GRAD_LEAF] = is_grad_leaf(leaf)
@@ -196,15 +197,6 @@ def trace(
         torch.fx.graph._PyTreeInfo(_arg_names(target, len(example_inputs)), in_spec, out_spec[0])
     )
     return gm, names, codegen
-
-
-def _check_outputs(out: Any) -> None:
-    """Raises a TypeError naming the first output leaf torch's pytree cannot flatten (a KV cache object)."""
-    for path, leaf in pytree.tree_flatten_with_path(out)[0]:
-        if not isinstance(leaf, _PLAIN_OUTPUTS):
-            kind = type(leaf).__name__
-            hint = _HINT_CACHE if "Cache" in kind or "past_key_values" in pytree.keystr(path) else ""
-            raise TypeError(_MSG_OUTPUT.format(path=f"output{pytree.keystr(path)}", kind=kind, hint=hint))
 
 
 def _copy_leaf(x: Any) -> Any:
@@ -296,6 +288,8 @@ def autocast_fx(
       TypeError, ValueError: bad arguments or policy; an output torch's pytree
         cannot flatten, such as a Hugging Face ``DynamicCache`` (call the model
         with ``use_cache=False``, e.g. through ``functools.partial``).
+      RuntimeError: the program reads a tensor's value to choose what to run
+        (``if x.max() > 0:``); the message names the line and the ways out.
 
     Examples:
       >>> import torch

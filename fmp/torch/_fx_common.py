@@ -31,11 +31,6 @@ _MSG_OPAQUE = (
     "autocast_graph cannot look inside {op} node {node!r}, and the policy changed the dtype of its inputs. "
     "Trace the module to ATen ops with make_fx(..., pre_dispatch=True) or torch.export first."
 )
-_MSG_NO_META = (
-    "autocast_graph needs node.meta['val'] on every tensor node (node {node!r} has none): pass a graph "
-    "from make_fx(..., pre_dispatch=True) or torch.export, or use fmp.torch.autocast_fx, which traces one."
-)
-
 # AutocastCUDA's fp32_append_dtype ops call their dtype overload instead of casting.
 _APPEND_DTYPE_OVERLOAD = {"Scalar": "ScalarOpt_dtype", "ScalarOpt_dim": "ScalarOpt_dim_dtype"}
 

@@ -49,6 +49,7 @@ from fmp.torch._fx_common import (
     op_key,
 )
 from fmp.torch._fx_nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST, UNTRACEABLE, decompose, hop, in_region
+from fmp.torch._fx_trace_errors import is_traced_move
 from fmp.torch._fx_values import GraphBuilder
 
 
@@ -76,6 +77,7 @@ class Rewriter(GraphBuilder):
         self._region_saved: dict[torch.fx.Node, dict[str, tuple[bool, torch.dtype]]] = {}
         self.before: dict[torch.fx.Node, Any] = {}  # node -> value with autocast off (explain only, _fx_before)
         self.changed = False
+        self.traced_moves: list[tuple[torch.fx.Node, torch.dtype]] = []  # device moves recorded as casts
 
     def _cast(
         self, src: torch.fx.Node, dtype: torch.dtype, like: torch.fx.Node | None, compute: torch.dtype | None
@@ -200,6 +202,8 @@ class Rewriter(GraphBuilder):
             raise RuntimeError(self.rules.banned_message(key))
         if category in (Category.LOWER_PRECISION, Category.FLOAT32, Category.PROMOTE):
             return self._listed(node, op, key, category, device, compute, args, kwargs)
+        if is_traced_move(node, args, self.vals):
+            self.traced_moves.append((node, self.vals[args[0]].dtype))
         inlined = None
         if enabled and op.has_kernel_for_dispatch_key(_CIA) and depth < _MAX_DEPTH:
             inlined = decompose(self, node, op, args, kwargs, depth)
