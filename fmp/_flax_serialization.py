@@ -1,13 +1,13 @@
-"""GradScaler in ``flax.serialization``, registered without a call and without importing flax.
+"""GradScaler and Float8State in ``flax.serialization``, registered without a call and without importing flax.
 
 ``import fmp`` must not import flax (it is optional and slow to import), yet
-``flax.serialization.to_state_dict(scaler)`` has to work whichever of the two a program imports first. So:
-if ``flax.serialization`` is already imported, the scaler is registered now; otherwise a finder on
-``sys.meta_path`` waits for it and registers the scaler right after flax has executed that module. The
+``flax.serialization.to_state_dict(scaler)`` (or of a ``Float8State``) has to work whichever of the two a
+program imports first. So: if ``flax.serialization`` is already imported, both are registered now; otherwise a finder on
+``sys.meta_path`` waits for it and registers both right after flax has executed that module. The
 finder only ever answers for ``flax.serialization``, loads it with the finder Python would have used, and
 removes itself once it has fired.
 
-orbax needs nothing: it saves any pytree, and the scaler is one (``jax.tree_util.register_dataclass``).
+orbax needs nothing: it saves any pytree, and both are ones (``jax.tree_util.register_dataclass``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from fmp._fp8._state import Float8State
 from fmp._scaler import GradScaler
 
 _TARGET = "flax.serialization"
 
 _MSG_FAILED = (
-    "fmp could not register GradScaler with flax.serialization ({err}); flax.serialization.to_state_dict "
-    "will return the scaler itself. Save GradScaler.state_dict() instead, or report this flax version."
+    "fmp could not register GradScaler and Float8State with flax.serialization ({err}); "
+    "flax.serialization.to_state_dict will return them as they are. Save GradScaler.state_dict() and "
+    "Float8State.amax_history instead, or report this flax version."
 )
 
 
@@ -49,13 +51,22 @@ def _from_state_dict(target: GradScaler, state: dict[str, Any]) -> GradScaler:
     )
 
 
+def _fp8_to_state_dict(s: Float8State) -> dict[str, Any]:
+    return {"amax_history": s.amax_history}
+
+
+def _fp8_from_state_dict(target: Float8State, state: dict[str, Any]) -> Float8State:
+    return dataclasses.replace(target, amax_history=jnp.asarray(state["amax_history"], jnp.float32))
+
+
 def register(serialization: ModuleType) -> None:
-    """Registers GradScaler with the given ``flax.serialization`` module (idempotent)."""
+    """Registers GradScaler and Float8State with the given ``flax.serialization`` module (idempotent)."""
     serialization.register_serialization_state(GradScaler, _to_state_dict, _from_state_dict, override=True)
+    serialization.register_serialization_state(Float8State, _fp8_to_state_dict, _fp8_from_state_dict, override=True)
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    """Wraps the real loader of ``flax.serialization``: executes the module, then registers the scaler."""
+    """Wraps the real loader of ``flax.serialization``: executes the module, then registers fmp's classes."""
 
     def __init__(self, loader: importlib.abc.Loader):
         self._loader = loader

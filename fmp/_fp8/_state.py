@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import Any
 
 import jax
@@ -85,15 +84,16 @@ class Float8State:
 
     @staticmethod
     def register_flax_serialization() -> None:
-        """Registers ``Float8State`` with ``flax.serialization`` (done at import when flax is loaded)."""
+        """Registers ``Float8State`` with ``flax.serialization`` now (imports flax).
+
+        Not needed: ``import fmp`` arranges for the registration to happen whenever flax is imported, before
+        or after fmp. Kept for code that calls it; calling it again is harmless.
+        """
         from flax import serialization
 
-        serialization.register_serialization_state(
-            Float8State,
-            lambda s: {"amax_history": s.amax_history},
-            lambda t, d: dataclasses.replace(t, amax_history=jnp.asarray(d["amax_history"], _F32)),
-            override=True,
-        )
+        from fmp import _flax_serialization
+
+        _flax_serialization.register(serialization)
 
 
 class SiteFeeder:
@@ -169,7 +169,3 @@ def delayed_dot_general(
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)
     return _delayed_matmul(a, b, history, recipe, jnp.dtype(out_dtype)).reshape(oshape)
-
-
-if "flax.serialization" in sys.modules:  # pragma: no cover - depends on import order
-    Float8State.register_flax_serialization()
