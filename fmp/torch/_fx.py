@@ -114,6 +114,7 @@ def autocast_graph(
 
     Raises:
       ValueError, TypeError: a malformed policy or rule set.
+      NotImplementedError: a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
       RuntimeError: a banned op (CUDA ``binary_cross_entropy``) under autocast.
 
     Examples:
@@ -296,6 +297,7 @@ def autocast_fx(
       TypeError, ValueError: bad arguments or policy; an output torch's pytree
         cannot flatten, such as a Hugging Face ``DynamicCache`` (call the model
         with ``use_cache=False``, e.g. through ``functools.partial``).
+      NotImplementedError: a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
 
     Examples:
       >>> import torch
