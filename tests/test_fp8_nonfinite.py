@@ -99,3 +99,40 @@ def test_loss_scaler_sees_an_overflow_float8_would_saturate():
     # with a scale that does not overflow float16 the step is taken and the gradients are finite
     _, grads, finite, _ = step(fmp.GradScaler(init_scale=2.0**4), p, x)
     assert bool(finite) and all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_non_finite_results_where_torchao_has_them(scaling):
+    """torchao's Float8Linear (its named recipes, emulated on CPU): the same entries of the output, dx and dW
+    are non-finite for an inf or NaN in the input, the weight or the output gradient."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from fmp._fp8._dot import fp8_dot_general
+
+    rng = np.random.default_rng(0)
+    x0, w0 = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
+    recipe = fmp.Float8Recipe(scaling, pow2_scales=scaling == "rowwise")  # torchao's scales in each recipe
+
+    def ours(x, w, g):
+        out, vjp = jax.vjp(lambda x, w: fp8_dot_general(x, w, DN, recipe, F32), jnp.asarray(x), jnp.asarray(w))
+        return [np.isfinite(np.asarray(r)) for r in (out, *vjp(jnp.asarray(g)))]
+
+    def theirs(x, w, g):
+        lin = torch.nn.Linear(16, 4, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(w.T.copy()))
+        model = convert_to_float8_training(
+            torch.nn.Sequential(lin), config=Float8LinearConfig.from_recipe_name(scaling)
+        )
+        xt = torch.from_numpy(x).requires_grad_(True)
+        out = model(xt)
+        out.backward(torch.from_numpy(g))
+        return [np.isfinite(r.detach().numpy()) for r in (out, xt.grad, lin.weight.grad.T)]
+
+    for which, bad in [(0, np.inf), (0, np.nan), (1, -np.inf), (2, np.inf), (2, np.nan)]:
+        args = [x0.copy(), w0.copy(), np.ones((8, 4), np.float32)]
+        args[which][1, 2 if which < 2 else 1] = bad
+        for a, b in zip(ours(*args), theirs(*args), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"operand {which} = {bad}")
