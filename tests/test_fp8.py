@@ -107,7 +107,7 @@ def test_saturating_cast_and_scales():
     assert float(_quant.quantize(jnp.array([-1e9], F32), jnp.float32(1), E5M2).astype(F32)[0]) == -57344.0
     assert float(jnp.array([1e9], F32).astype(E4M3).astype(F32)[0]) != 448.0  # the plain cast would not saturate
     s = _quant.scale_from_amax(jnp.array([0.0, 1e-37, 2.0, jnp.inf, jnp.nan], F32), E4M3)  # 448/1e-37: inf
-    np.testing.assert_array_equal(np.asarray(s), np.array([1, 2.0**126, 224, 1, 1], np.float32))
+    np.testing.assert_array_equal(np.asarray(s), np.array([1, 2.0**126, 224, np.nan, np.nan], np.float32))
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
@@ -133,11 +133,13 @@ def test_power_of_two_scales_are_normal_powers_of_two_at_most_the_exact_scale(dt
     for wrap in (lambda f: f, jax.jit):  # eager and jitted (XLA CPU may treat the subnormal 1e-45 as 0 in one)
         s = np.asarray(wrap(lambda a: _quant.scale_from_amax(a, dtype, pow2=True, margin=margin))(amax), np.float64)
         exact = np.asarray(wrap(lambda a: _quant.scale_from_amax(a, dtype, margin=margin))(amax), np.float64)
+        assert np.isnan(s[11:]).all() and np.isnan(exact[11:]).all()  # a non-finite amax is never saturated away
+        s, exact = s[:11], exact[:11]
         mant, _ = np.frexp(s)
         assert (mant == 0.5).all(), s  # powers of two
         assert (s >= 2.0**-126).all() and (s <= 2.0**126).all() and (1 / s >= 2.0**-126).all()
         assert (s <= exact).all() and (s > exact / 2).all()
-        assert (s[[0, 11, 12, 13]] == 2.0**-margin).all()  # zero or non-finite amax: scale 1 (before the margin)
+        assert s[0] == 2.0**-margin  # zero amax: scale 1 (before the margin)
 
 
 def test_gradient_is_quantised_to_e5m2_not_e4m3():

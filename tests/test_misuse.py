@@ -137,7 +137,8 @@ def test_override_that_matches_no_scope_warns():
     assert msg == (
         "fmp.autocast: overrides key 'Encoder' matches no jax.named_scope in the traced function, so it changes "
         "nothing. Keys are case-sensitive substrings of the scope names (flax linen opens one per module: "
-        "'Dense_0', 'LayerNorm_0'); scopes seen: 'encoder', 'head'."
+        "'Dense_0', 'LayerNorm_0'; an nnx argument's submodules run under their paths: 'blocks/0/attn'); "
+        "scopes seen: 'encoder', 'head'."
     )
 
 

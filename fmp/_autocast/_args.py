@@ -2,7 +2,8 @@
 
 Array leaves become jaxpr inputs and every other leaf is static (``trace``). flax nnx objects are mutable
 graph nodes: they enter as their state and leave as the state after the function, which is written back
-(``graph_nodes`` / ``run_with_graph_state``), so BatchNorm statistics, RNG counts and any ``nnx.Variable``
+(``graph_nodes`` / ``trace_with_graph_state``); nnx modules trace under their path's name scope
+(``_nnx_scopes``), so BatchNorm statistics, RNG counts and any ``nnx.Variable``
 the function assigns are updated as without autocast.
 """
 
@@ -17,8 +18,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from fmp._autocast import _jax_internals
-from fmp._autocast._context import REGION_SCOPE, Context, aval_of
-from fmp._autocast._transform import run_top
+from fmp._autocast._context import aval_of
+from fmp._autocast._nnx_scopes import module_scopes
 
 
 def _is_dynamic(leaf: Any) -> bool:
@@ -39,7 +40,8 @@ def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[ClosedJaxp
         it = iter(xs)
         full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        with _jax_internals.keep_inline_calls():  # jnp's helpers stay calls (the rewrite decides which to inline)
+        # jnp's helpers stay calls (the rewrite decides which to inline); nnx modules open their name scopes
+        with _jax_internals.keep_inline_calls(), module_scopes((a, k)):
             out = fn(*a, **k)
         out_leaves, tree = jax.tree_util.tree_flatten(out)
         out_tree.append(tree)
@@ -60,15 +62,18 @@ def graph_nodes(args: tuple, kwargs: dict) -> Any:
     return (nnx, leaves, treedef, pos) if pos else None
 
 
-def run_with_graph_state(fn: Callable[..., Any], args: tuple, kwargs: dict, graph: Any, ctx: Context) -> Any:
-    """Runs ``fn`` with its nnx objects passed as state, and writes every state update back into them.
+def trace_with_graph_state(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, graph: Any
+) -> tuple[ClosedJaxpr, list[Any], Callable[[list[Any]], Any]]:
+    """``trace`` for a function with nnx objects among its arguments: they enter as state and leave updated.
 
     nnx objects are mutable: a BatchNorm's running statistics, an ``Rngs``
     count or any ``nnx.Variable`` the function assigns change in place. The
     objects are split into a graph and a state, the state enters the traced
     program as inputs, the state after ``fn`` leaves it as outputs (in the
-    dtypes ``fn`` gave it), and ``nnx.update`` writes it back, so the caller
-    (``nnx.value_and_grad``, ``nnx.jit``, plain Python) sees the updates.
+    dtypes ``fn`` gave it). Returns the closed jaxpr, its array inputs and ``finish``, which takes the
+    program's outputs, writes the state back with ``nnx.update`` (so the caller: ``nnx.value_and_grad``,
+    ``nnx.jit``, plain Python, sees the updates) and returns ``fn``'s result.
     """
     nnx, leaves, treedef, pos = graph
     nodes = tuple(leaves[i] for i in pos)
@@ -80,19 +85,22 @@ def run_with_graph_state(fn: Callable[..., Any], args: tuple, kwargs: dict, grap
         rest = iter(others)
         full = [next(merged) if i in pos else next(rest) for i in range(len(leaves))]
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        out = fn(*a, **k)
+        with module_scopes((a, k)):
+            out = fn(*a, **k)
         _, new_state = nnx.split(tuple(full[i] for i in pos))
         return out, new_state
 
     closed, arrays, out_tree = trace(inner, (state, others), {})
-    with jax.named_scope(REGION_SCOPE):
-        outs = run_top(closed, arrays, ctx)
-    n_out = out_tree.children()[0].num_leaves
-    # state leaves keep the dtype fn gave them (the policy's output dtype applies to fn's results only)
-    outs = [
-        o if i < n_out or aval_of(o).dtype == a.dtype else jax.lax.convert_element_type(o, a.dtype)
-        for i, (o, a) in enumerate(zip(outs, closed.out_avals, strict=True))
-    ]
-    out, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
-    nnx.update(nodes, new_state)
-    return out
+
+    def finish(outs: list[Any]) -> Any:
+        n_out = out_tree.children()[0].num_leaves
+        # state leaves keep the dtype fn gave them (the policy's output dtype applies to fn's results only)
+        outs = [
+            o if i < n_out or aval_of(o).dtype == a.dtype else jax.lax.convert_element_type(o, a.dtype)
+            for i, (o, a) in enumerate(zip(outs, closed.out_avals, strict=True))
+        ]
+        out, new_state = jax.tree_util.tree_unflatten(out_tree, outs)
+        nnx.update(nodes, new_state)
+        return out
+
+    return closed, arrays, finish

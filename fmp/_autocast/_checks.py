@@ -39,7 +39,7 @@ _HINT_OTHER = "Wrap the function that does the floating-point work, or drop the 
 _MSG_OVERRIDE_UNUSED = (
     "fmp.autocast: overrides key {key!r} matches no jax.named_scope in the traced function, so it changes "
     "nothing. Keys are case-sensitive substrings of the scope names (flax linen opens one per module: "
-    "'Dense_0', 'LayerNorm_0'); scopes seen: {seen}."
+    "'Dense_0', 'LayerNorm_0'; an nnx argument's submodules run under their paths: 'blocks/0/attn'); scopes seen: {seen}."
 )
 
 

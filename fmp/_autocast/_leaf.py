@@ -82,11 +82,12 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
     target = decide(category, compute, strong)
-    if category is Category.FLOAT8 and target is not None:
-        if policy.fp8 is not None and len(floats) == len(invals) == 2:
+    if category is Category.FLOAT8:
+        if target is not None and policy.fp8 is not None and len(floats) == len(invals) == 2:
             out = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
             return float8(eqn, invals, ctx, scope, policy, out)
-        category = Category.LOWER_PRECISION  # no fp8 recipe: an ordinary lower_precision op
+        # no fp8 recipe, or nothing to cast (float64 inputs): an ordinary lower_precision op, not a float8 one
+        category = Category.LOWER_PRECISION
     rule = category.value
     if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue and _is_epilogue(eqn, cur, ctx, compute):
         target, rule = compute, "epilogue"

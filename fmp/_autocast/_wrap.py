@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from fmp._autocast._args import graph_nodes, run_with_graph_state, trace
+from fmp._autocast._args import graph_nodes, trace, trace_with_graph_state
 from fmp._autocast._checks import check_args, warn_no_effect
 from fmp._autocast._context import REGION_SCOPE
 from fmp._autocast._custom_bwd import BWD_AS_WRITTEN
@@ -61,7 +61,8 @@ def autocast(
       rules: A [`fmp.RuleSet`][fmp.RuleSet]; ``None`` means ``fmp.DEFAULT_RULES``.
       enabled: ``False`` runs ``fn`` exactly as written, also inside an outer autocast.
       overrides: ``{scope_substring: policy}``: ops under a ``jax.named_scope``
-        (flax linen opens one per module) whose name contains the substring run
+        (flax linen opens one per module; a submodule of an nnx module passed as
+        an argument runs under its attribute path, ``blocks/0/attn``) whose name contains the substring run
         under that policy, e.g. ``{"LayerNorm": "float32"}``. Matching is
         case-sensitive on the scopes opened inside ``fn``; the innermost wins.
         An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
@@ -121,12 +122,14 @@ def autocast(
         ctx = make_context(config, fp8_sites=sites)
         graph = graph_nodes(args, kwargs)
         if graph is not None:
-            return run_with_graph_state(fn, args, kwargs, graph, ctx)
-        closed, arrays, out_tree = trace(fn, args, kwargs)
+            closed, arrays, finish = trace_with_graph_state(fn, args, kwargs, graph)
+        else:
+            closed, arrays, out_tree = trace(fn, args, kwargs)
+            finish = functools.partial(jax.tree_util.tree_unflatten, out_tree)
         warn_no_effect(closed, config.policy, config.overrides, label)
         with jax.named_scope(REGION_SCOPE):
             outs = run_top(closed, arrays, ctx)
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return finish(outs)
 
     return wrapped
 

@@ -21,11 +21,11 @@ def fp8_max(dtype: jax.typing.DTypeLike) -> float:
 
 
 def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool = False, margin: int = 0) -> jax.Array:
-    """``fp8_max / amax`` in float32; 1 where ``amax`` is zero or not finite.
+    """``fp8_max / amax`` in float32; 1 where ``amax`` is zero, NaN where it is inf or NaN.
 
     ``margin`` divides by ``2**margin``; the result is clamped to ``[2**-126, 2**126]``, so that the scale and
-    its inverse are normal float32 numbers (never 0 or inf, whatever the amax: a tiny one gets ``2**126``);
-    ``pow2`` then rounds down to a power of two.
+    its inverse are normal float32 numbers (never 0 or inf, whatever finite amax: a tiny one gets ``2**126``);
+    ``pow2`` then rounds down to a power of two. A non-finite amax gives a NaN scale (see ``keep_non_finite``).
     """
     amax = amax.astype(jnp.float32)
     ok = (amax > 0) & jnp.isfinite(amax)
@@ -36,11 +36,22 @@ def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool 
     if pow2:  # clear the mantissa bits of a normal positive float32: 2**floor(log2(scale)), exactly
         bits = jax.lax.bitcast_convert_type(scale, jnp.int32) & jnp.int32(0x7F800000)
         scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return scale.astype(jnp.float32)
+    return keep_non_finite(scale, amax)
+
+
+def keep_non_finite(scale: jax.Array, amax: jax.Array) -> jax.Array:
+    """``scale``, NaN where ``amax`` (the operand's, same shape) is inf or NaN.
+
+    The saturating cast would turn an inf into the float8 maximum and the product would come out finite and
+    wrong; a NaN scale instead makes the whole scaling group (tensor, row or block) NaN after the cast, so an
+    overflow reaches every finite check downstream (a loss scaler skips the step), as in torchao. One select
+    on the scales, no pass over the operand.
+    """
+    return jnp.where(jnp.isfinite(amax), scale, jnp.float32(jnp.nan)).astype(jnp.float32)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
-    """``x * scale`` in float32, saturated to the float8 range, cast to ``dtype``."""
+    """``x * scale`` in float32, saturated to the float8 range (finite values; a NaN scale gives NaN), cast."""
     top = jnp.float32(fp8_max(dtype))
     return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
 

@@ -19,7 +19,8 @@ class Float8Recipe:
 
     Every recipe quantises the forward operands of a matmul to ``float8_e4m3fn``
     and the output gradient of both backward matmuls to ``float8_e5m2``, with a
-    saturating cast (values beyond the float8 maximum become the maximum), and
+    saturating cast (finite values beyond the float8 maximum become the maximum; an inf
+    or NaN makes its tensor, row or block NaN, so that an overflow stays visible), and
     undoes the scales on the result; products accumulate in float32.
 
     Args:

@@ -134,7 +134,8 @@ def _current_or_history(x: jax.Array, hist_row: jax.Array, dtype: Any, recipe: F
     now = jnp.max(jnp.abs(x.astype(_F32)))
     past = jnp.max(hist_row)
     amax = jnp.where(past > 0, past, now)
-    return _quant.scale_from_amax(amax, dtype, pow2=recipe.pow2_scales, margin=recipe.margin), now
+    scale = _quant.scale_from_amax(amax, dtype, pow2=recipe.pow2_scales, margin=recipe.margin)
+    return _quant.keep_non_finite(scale, now), now  # an inf operand is not saturated by a past scale
 
 
 def _qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:

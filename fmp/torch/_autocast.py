@@ -46,7 +46,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from fmp._core import _rules
-from fmp._policy import Policy, get_policy
+from fmp._policy import Policy
+from fmp.torch._fx_policy import torch_policy
 
 __all__ = ["autocast"]
 
@@ -177,6 +178,7 @@ class autocast:  # noqa: N801 (torch's name)
       ValueError: ``device_type`` is not a str (torch's message), or ``dtype``
         disagrees with ``policy``.
       TypeError: ``rules`` is not a RuleSet.
+      NotImplementedError: ``policy`` is a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
 
     Examples:
       >>> import torch, fmp.torch
@@ -200,7 +202,7 @@ class autocast:  # noqa: N801 (torch's name)
         policy: Policy | str | None = None,
         rules: Any = None,
     ) -> None:
-        self._policy = None if policy is None else get_policy(policy)
+        self._policy = None if policy is None else torch_policy(policy)
         if self._policy is not None:
             compute = getattr(torch, self._policy.compute_dtype.name)
             if dtype is not None and dtype != compute:

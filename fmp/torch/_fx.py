@@ -108,6 +108,7 @@ def autocast_graph(
       ValueError, TypeError: a malformed policy or rule set; a graph without
         ``meta["val"]`` (``torch.fx.symbolic_trace``: the message names the
         node and the tracers that record it).
+      NotImplementedError: a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
       RuntimeError: a banned op (CUDA ``binary_cross_entropy``) under autocast.
 
     Warns:
@@ -290,6 +291,7 @@ def autocast_fx(
         with ``use_cache=False``, e.g. through ``functools.partial``).
       RuntimeError: the program reads a tensor's value to choose what to run
         (``if x.max() > 0:``); the message names the line and the ways out.
+      NotImplementedError: a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
 
     Examples:
       >>> import torch

@@ -20,6 +20,25 @@ _MSG_POLICY = (
 )
 
 
+_MSG_FLOAT8 = (
+    "policy {got!r} asks for float8 matmuls (fp8={fp8}), which fmp.torch does not run yet: it would quietly "
+    "compute in {compute} instead. Use a policy without fp8 here (e.g. 'mixed_bfloat16'), or run float8 on the "
+    "JAX side (fmp.autocast(fn, 'mixed_float8'))."
+)
+
+
+def torch_policy(policy: Policy | str) -> Policy:
+    """``get_policy(policy)``, refusing a float8 policy (the torch side has no float8 rewrite).
+
+    Raises:
+      NotImplementedError: the policy carries an fp8 recipe.
+    """
+    pol = get_policy(policy)
+    if pol.fp8 is not None:
+        raise NotImplementedError(_MSG_FLOAT8.format(got=str(policy), fp8=pol.fp8, compute=pol.compute_dtype.name))
+    return pol
+
+
 def resolve_policy(
     policy: Any = None,
     device_type: str | None = None,
@@ -43,7 +62,7 @@ def resolve_policy(
         device_type = policy
     elif isinstance(policy, Policy | str):
         try:
-            pol = get_policy(policy)
+            pol = torch_policy(policy)
         except ValueError as err:
             raise ValueError(f"{_MSG_POLICY.format(got=policy)}. {err}") from None
         if dtype is not None:
