@@ -64,7 +64,7 @@ def rewrite(
     rules: RuleSet,
     events: list[Event] | None = None,
 ) -> torch.fx.GraphModule:
-    """The transform behind [`autocast_graph`][fmp.torch.autocast_graph] (policy already resolved)."""
+    """The transform behind `autocast_graph` (policy already resolved)."""
     for node in graph_module.graph.nodes:
         if isinstance(node.target, torch._ops.OpOverload) and "val" not in node.meta:
             raise ValueError(_MSG_NO_META.format(node=node.name))

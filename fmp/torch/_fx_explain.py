@@ -110,9 +110,9 @@ def explain_graph(
     device_type: str | None = None,
     dtype: Any = None,
 ) -> Report:
-    """The precision report of [`autocast_graph`][fmp.torch.autocast_graph] on ``graph_module``.
+    """The precision report of `autocast_graph` on ``graph_module``.
 
-    Args and policy spellings are those of [`autocast_graph`][fmp.torch.autocast_graph].
+    Args and policy spellings are those of `autocast_graph`.
 
     Returns:
       An ``fmp`` ``Report`` (``framework="torch"``): one row per ATen op of the
@@ -143,9 +143,9 @@ def explain_fx(
     dtype: Any = None,
     rules: RuleSet | None = None,
 ) -> Report:
-    """The precision report of [`autocast_fx`][fmp.torch.autocast_fx]: which op runs in which dtype, and why.
+    """The precision report of `autocast_fx`: which op runs in which dtype, and why.
 
-    Takes the arguments of [`autocast_fx`][fmp.torch.autocast_fx]. Each row gives the op
+    Takes the arguments of `autocast_fx`. Each row gives the op
     (``aten::linear``), the user's source line, the rule (``lower_precision``,
     ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted cast,
     ``user_cast`` for one the program makes), and the floating dtypes of its
