@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 import fmp
-from fmp._core._report import OpRecord, Report
+from fmp._core._report import OpRecord, Report, short_source
 from fmp._core._rules import RuleSet
 from fmp.torch import _fx
 from fmp.torch._fx_common import Event, _float_names
@@ -24,12 +24,12 @@ _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot"}
 
 
 def _source(node: torch.fx.Node | None) -> str:
-    """``file.py:12 (fn)`` of the innermost user frame of a node's stack trace, or ``""``."""
+    """``/path/to/file.py:12 (fn)`` of the innermost user frame of a node's stack trace, or ``""``."""
     trace = node.meta.get("stack_trace", "") if node is not None else ""
     frames = _FRAME.findall(trace or "")
     for path, line, fn in reversed(frames):
         if not path.startswith(_LIBRARY_DIRS):
-            return f"{path.rsplit('/', 1)[-1]}:{line} ({fn})"
+            return f"{path}:{line} ({fn})"
     return ""
 
 
@@ -81,11 +81,13 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
     for i, ev in enumerate(events):
         node = ev.node
         origin = ev.origin if ev.origin is not None else node
+        full = _source(origin)
         rows.append(
             OpRecord(
                 index=i,
                 op=ev.op,
-                source=_source(origin),
+                source=short_source(full),
+                source_full=full,
                 scope=_cast_scope(node, origin) if ev.category == "cast" else _scope(origin),
                 category=ev.category,
                 in_before=ev.in_before,
