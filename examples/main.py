@@ -15,12 +15,14 @@ measures, on the whole training set at its current parameters, how many gradient
 float32 come out exactly zero in that run's gradient (flushed to zero). steps/s is one over the median step time
 (each step waited for; the probes are not timed).
 
-Prints the ``fmp.explain`` summary of the model, a progress bar per run, then a table (test accuracy, the
-training-set loss at the final parameters evaluated in float32, steps/s, compiled memory of the train step
-from ``memory_analysis()``, skipped steps, final loss scale, flushed gradient elements) and writes
-``fmp_main.png`` to the output folder: (a) the loss curves on a linear axis, (b) the flushed fraction over
-training per run, (c) the loss-scale trajectory with the skipped steps marked, (d) steps/s and compiled memory
-per run.
+Prints the ``fmp.explain`` summary of the model, a progress bar per run, then two tables. What each run
+learned: test accuracy, the training-set loss at the final parameters evaluated in float32, skipped steps,
+the loss scale after the last step, flushed gradient elements. What its train step costs: steps/s (timed),
+and, read from the compiled program (the same on any machine with this jax), the bytes the forward pass
+keeps for the backward pass, XLA's bytes accessed per step (``cost_analysis()``), the compiled memory
+(``memory_analysis()``) and the parameter + Adam state. Writes ``fmp_main.png`` to the output folder: (a)
+the loss curves on a linear axis, (b) the flushed fraction over training per run, (c) the loss-scale
+trajectory with the skipped steps marked, ending at the final scale, (d) the costs as ratios to float32.
 
     pip install -e ".[examples]" && python examples/main.py
     python examples/main.py --steps 300 --runs float32,float16+scaling --out /tmp/fmp
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -107,6 +110,34 @@ def make_step(loss_fn, policy: str | None, tx: optax.GradientTransformation):
     return fn, jax.jit(step, donate_argnums=(0, 1))
 
 
+def nbytes(tree) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) leaf of ``tree``."""
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def step_costs(step, fn, params, opt_state, scaler, xb, yb) -> dict[str, float | None]:
+    """What one train step costs, read from the program, not timed: the same on any machine with this jax.
+
+    * ``residual_bytes``: the values the forward pass keeps for the backward pass (the leaves of
+      ``jax.vjp``'s backward function: activations and the weights the matmuls saw, in their dtypes);
+    * ``bytes_accessed``: XLA's count of bytes read and written by the compiled step (``cost_analysis()``);
+    * ``mem_bytes``: argument + output + temporary bytes of the compiled step (``memory_analysis()``);
+    * ``state_bytes``: parameters and Adam state (float32 master weights in every run).
+    """
+    compiled = step.lower(params, opt_state, scaler, xb, yb).compile()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, list) else (cost or {})  # a list of one in older jax
+    residuals = jax.eval_shape(lambda p, x, y: jax.vjp(fn, p, x, y)[1], params, xb, yb)
+    mem_bytes = None if mem is None else mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+    return {
+        "mem_bytes": mem_bytes,
+        "bytes_accessed": cost.get("bytes accessed"),
+        "residual_bytes": nbytes(residuals),
+        "state_bytes": nbytes((params, opt_state)),
+    }
+
+
 def flushed(fn_grads, ref_grads) -> tuple[int, int]:
     """Gradient elements non-zero in float32 but exactly zero in the run's gradient; and the float32 non-zeros."""
     ref = np.concatenate([np.ravel(g) for g in jax.tree.leaves(ref_grads)])
@@ -130,9 +161,7 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
     batches = [rng.choice(n, args.batch, replace=False) for _ in range(args.steps)]
     xb, yb = jnp.asarray(x_tr[batches[0]]), jnp.asarray(y_tr[batches[0]])
 
-    compiled = step.lower(params, opt_state, scaler, xb, yb).compile()
-    mem = compiled.memory_analysis()
-    mem_bytes = None if mem is None else mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+    costs = step_costs(step, fn, params, opt_state, scaler, xb, yb)
 
     # the flushed-to-zero fraction over training: at `checks` points, the run's gradient (its own precision and
     # loss scale) against the float32 gradient, both on the whole training set at the run's current params
@@ -161,6 +190,7 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
         finites.append(finite)
         if (i + 1) % every == 0 and i + 1 < args.steps:
             measure_flush(i + 1)
+    scales.append(scaler.loss_scale)  # after the last step: the plot ends at the final scale
     # steps/s from the median step (the first one, with dispatch warm-up, left out): on a shared machine a
     # median is not moved by the other jobs' bursts the way a total time is
     steps_per_s = 1.0 / float(np.median(step_times[1:]))
@@ -178,7 +208,7 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
         "loss": np.asarray(jax.device_get(losses), np.float32),
         "train_loss": float(ref_loss),
         "steps_per_s": steps_per_s,
-        "mem_bytes": mem_bytes,
+        **costs,
         "skipped": int(np.sum(~finites)),
         "skipped_at": np.flatnonzero(~finites),
         "scales": np.asarray(jax.device_get(scales), np.float64),
@@ -189,29 +219,58 @@ def train(name: str, args, data, model: MLP, init_params, f32: Float32Eval) -> d
     }
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    head = ("run", "test acc", "train loss", "steps/s", "compiled MiB", "skipped", "final scale", "grads flushed to 0")
-    rows = [head]
-    for r in results:
-        mem = "n/a" if r["mem_bytes"] is None else f"{r['mem_bytes'] / 2**20:.2f}"
-        scale = "-" if r["final_scale"] is None else f"{r['final_scale']:g}"
-        frac = f"{r['flushed']}/{r['nonzero']} ({100 * r['flushed'] / max(r['nonzero'], 1):.1f}%)"
-        rows.append(
-            (
-                r["name"],
-                f"{100 * r['acc']:.2f}%",
-                f"{r['train_loss']:.2e}",
-                f"{r['steps_per_s']:.0f}",
-                mem,
-                str(r["skipped"]),
-                scale,
-                frac,
-            )
-        )
+def _fmt_table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    rows = [head, *rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([fmt(rows[0]), sep, *map(fmt, rows[1:])])
+
+
+def scale_str(scale: float | None) -> str:
+    """``2^21`` for a power of two (every dynamic scale here), else the number."""
+    if scale is None:
+        return "-"
+    exp = math.log2(scale) if scale > 0 else 0.5
+    return f"2^{exp:.0f}" if exp == int(exp) else f"{scale:g}"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """What each run learned: accuracy, loss, skipped steps, final scale, gradient lost to underflow."""
+    head = ("run", "test acc", "train loss", "skipped", "final scale", "grads flushed to 0")
+    rows = [
+        (
+            r["name"],
+            f"{100 * r['acc']:.2f}%",
+            f"{r['train_loss']:.2e}",
+            str(r["skipped"]),
+            scale_str(r["final_scale"]),
+            f"{r['flushed']}/{r['nonzero']} ({100 * r['flushed'] / max(r['nonzero'], 1):.1f}%)",
+        )
+        for r in results
+    ]
+    return _fmt_table(head, rows)
+
+
+def mib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / 2**20:.2f}"
+
+
+def cost_table(results: list[dict[str, Any]]) -> str:
+    """What each run's train step costs: speed (timed) and bytes (read from the compiled program)."""
+    head = ("run", "steps/s", "saved for bwd MiB", "bytes accessed MiB", "compiled MiB", "params+Adam MiB")
+    rows = [
+        (
+            r["name"],
+            f"{r['steps_per_s']:.0f}",
+            mib(r["residual_bytes"]),
+            mib(r["bytes_accessed"]),
+            mib(r["mem_bytes"]),
+            mib(r["state_bytes"]),
+        )
+        for r in results
+    ]
+    return _fmt_table(head, rows)
 
 
 COLORS = {"float32": "black", "bfloat16": "tab:blue", "float16+scaling": "tab:green", "float16": "tab:red"}
@@ -258,20 +317,30 @@ def plot(results: list[dict[str, Any]], path: Path, title: str = "") -> None:
             ax3.plot([], [], " ", label="no skipped step")
     if not scaled:
         ax3.text(0.5, 0.5, "no run with loss scaling", ha="center", transform=ax3.transAxes)
-    ax3.set(yscale="log", xlabel="step", ylabel="loss scale (before the step)", title="(c) Dynamic loss scale")
+    ax3.set(yscale="log", xlabel="step", ylabel="loss scale (before each step; last: after the last)", title="(c) Dynamic loss scale")
     ax3.legend()
-    # (d) speed and compiled memory of the train step
-    names = [r["name"] for r in results]
-    y = np.arange(len(names))
-    ax4.barh(y, [r["steps_per_s"] for r in results], color=[COLORS[n] for n in names])
-    for i, r in enumerate(results):
-        mem = "n/a" if r["mem_bytes"] is None else f"{r['mem_bytes'] / 2**20:.2f} MiB"
-        ax4.text(r["steps_per_s"], i, f" {r['steps_per_s']:.0f}/s, {mem}", va="center")
-    ax4.set_yticks(y, names)
+    # (d) what each run's step costs, as a ratio to the first run (float32): speed, and bytes read from the
+    # compiled program
+    metrics = [("steps/s", "steps_per_s", "{:.0f}/s"), ("saved for backward", "residual_bytes", None),
+               ("bytes accessed", "bytes_accessed", None), ("compiled memory", "mem_bytes", None),
+               ("params + Adam", "state_bytes", None)]  # fmt: skip
+    height = 0.8 / len(results)
+    for j, r in enumerate(results):
+        for i, (_, key, fmt) in enumerate(metrics):
+            base, val = results[0][key], r[key]
+            if base is None or val is None:
+                continue
+            y = i + (j - (len(results) - 1) / 2) * height
+            ax4.barh(y, val / base, height=height, color=COLORS[r["name"]], label=r["name"] if i == 0 else None)
+            ax4.text(val / base, y, " " + (fmt.format(val) if fmt else f"{val / 2**20:.2f} MiB"), va="center",
+                     fontsize=7)  # fmt: skip
+    ax4.set_yticks(range(len(metrics)), [m[0] for m in metrics])
     ax4.invert_yaxis()
-    ax4.set_xlim(0, 1.45 * max(r["steps_per_s"] for r in results))
-    ax4.set(xlabel="train steps per second (on a CPU, float16/bfloat16 are emulated)",
-            title="(d) Train step: speed and compiled memory")  # fmt: skip
+    ax4.axvline(1.0, color="gray", lw=0.5)
+    ax4.set_xlim(0, 1.6 * max(r[k] / results[0][k] for r in results for _, k, _ in metrics if r[k] and results[0][k]))
+    ax4.set(xlabel=f"ratio to {results[0]['name']} (bytes: compiled step; speed: this CPU)",
+            title="(d) Train step: speed and bytes")  # fmt: skip
+    ax4.legend(fontsize=8, loc="upper right")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -336,6 +405,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     results = [train(name, args, data, model, init_params, f32) for name in args.runs]
     print()
     print(table(results))
+    print()
+    print(cost_table(results))
+    ref = results[0]
+    for r in results[1:]:
+        if r["policy"] != ref["policy"] and r["residual_bytes"] and ref["residual_bytes"]:
+            print(f"{r['name']}: {mib(r['residual_bytes'])} MiB saved for the backward pass, "
+                  f"{r['residual_bytes'] / ref['residual_bytes']:.2f}x {ref['name']}'s")  # fmt: skip
+    print("params+Adam: float32 master weights and moments in every run (autocast casts per op)")
+    for r in results:
+        if r["final_scale"] is not None:  # panel (c) plots r["scales"]: its last point is the table's final scale
+            print(f"{r['name']}: loss scale {scale_str(r['scales'][0])} before the first step, "
+                  f"{scale_str(r['scales'][-1])} after the last (panel (c))")  # fmt: skip
     by = {r["name"]: r for r in results}
     if "float32" in by and "float16+scaling" in by:
         gap = 100 * (by["float32"]["acc"] - by["float16+scaling"]["acc"])

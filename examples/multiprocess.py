@@ -147,8 +147,8 @@ def torch_worker(run: str, rank: int, port: str, steps: int, fault_step: int) ->
             fully_shard(layer, mesh=mesh)
         net = fully_shard(model, mesh=mesh)  # params become DTensor shards; grads are reduce-scattered
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)  # foreach (not fused)
-    # Every rank sees the inf: DDP's all-reduce spreads it to every gradient, and FSDP2's unscale runs on
-    # DTensors, whose flag is reduced over the mesh. No process_group is needed here.
+    # Every rank sees the inf: DDP's all-reduce spreads it to every gradient, and FSDP2's unscale
+    # runs on DTensors, whose flag is reduced over the mesh. No process_group is needed here.
     scaler = amp.GradScaler("cpu", growth_interval=10)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank reads its own batch
     teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
@@ -167,7 +167,8 @@ def torch_worker(run: str, rank: int, port: str, steps: int, fault_step: int) ->
         scaler.update()
         skipped += scaler.get_scale() < scale  # the scale backs off exactly on skipped steps
         if rank == 0 and (i % max(1, steps // 4) == 0 or i in (fault_step - 1, fault_step)):
-            print(f"{run} step {i:3d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}  skipped {skipped}")
+            now = scaler.get_scale()
+            print(f"{run} step {i:3d}  loss {loss.item():.4f}  scale {now:g}  skipped {skipped}")
     # --8<-- [end:torch]
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # gathers shards
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in full)).hexdigest()[:16]
@@ -201,7 +202,8 @@ def main(argv=None):
         finals = [[line for line in out.splitlines() if line.startswith("FINAL ")][-1][6:] for out in outs]
         print("\n".join(line for line in outs[0].splitlines() if line.startswith(run)))
         agree = all(f == finals[0] for f in finals)
-        print(f"{run}: {NPROC} processes, {finals[0]}; processes agree bit for bit: {agree}")
+        print(f"{run}: {NPROC} processes, {finals[0]}")
+        print(f"{run}: processes agree bit for bit: {agree}")
         if not agree:
             sys.exit(f"{run}: the processes diverged: {finals}")
 

@@ -1,7 +1,7 @@
 """The finite check of a gradient tree, the step-skipping select, and the host-side diagnosis of bad leaves.
 
 ``all_finite`` and ``select_tree`` are pure and jit-safe: one read of the tree, combined on device. Only
-[`nonfinite_leaves`][fmp.nonfinite_leaves] fetches to the host; it is meant for diagnosis, off the hot path.
+`nonfinite_leaves` fetches to the host; it is meant for diagnosis, off the hot path.
 """
 
 from __future__ import annotations

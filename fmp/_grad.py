@@ -97,8 +97,8 @@ def value_and_grad(
 
     Args:
       fun: Returns a float scalar loss, or ``(loss, aux)`` with ``has_aux=True``.
-      scaler: The current [`fmp.GradScaler`][fmp.GradScaler] (required: without one the error says how to
-        make one; bfloat16 needs none, see Raises).
+      scaler: The current `fmp.GradScaler` (required: without one the error says how to make one;
+        bfloat16 needs none, see Raises).
       argnums: Which positional argument(s) to differentiate, as in ``jax.grad``.
       has_aux: Whether ``fun`` returns ``(loss, aux)``.
 
@@ -135,7 +135,7 @@ def value_and_grad(
 def grad(
     fun: Callable[..., Any], scaler: GradScaler | None = None, argnums: int | Sequence[int] = 0, has_aux: bool = False
 ) -> Callable[..., tuple[Any, jax.Array, GradScaler]]:
-    """Like ``jax.grad``, with loss scaling; see [`fmp.value_and_grad`][fmp.value_and_grad].
+    """Like ``jax.grad``, with loss scaling; see `fmp.value_and_grad`.
 
     Returns:
       A function ``f(*args, **kwargs) -> (grads, finite, new_scaler)``, or

@@ -30,19 +30,19 @@ def _is_skip_state(x: Any) -> bool:
 def check_scaler_health(state: Any, grads: Any = None, *, stacklevel: int = 2) -> bool:
     """Warns if a loss scaler has seen too many non-finite steps in a row, or its scale is unusable.
 
-    The host-side partner of [`fmp.GradScaler.overflow_alarm`][fmp.GradScaler.overflow_alarm]: call it outside ``jit``
+    The host-side partner of `fmp.GradScaler.overflow_alarm`: call it outside ``jit``
     every few hundred steps, or when you log. It reads two scalars in one transfer (the scale and the
     count of non-finite steps in a row), so it costs one small host sync and nothing on the hot path.
-    It warns ([`fmp.ScaleHealthWarning`][fmp.ScaleHealthWarning]) when
+    It warns (`fmp.ScaleHealthWarning`) when
 
     * the count has reached the scaler's ``max_consecutive_overflows`` (default 32), or
     * the scale is not a finite number > 0 (it underflowed to 0, or was set to NaN).
 
-    With ``grads``, the warning names the non-finite leaves ([`fmp.nonfinite_leaves`][fmp.nonfinite_leaves]), which is
+    With ``grads``, the warning names the non-finite leaves (`fmp.nonfinite_leaves`), which is
     where the inf/NaN comes from.
 
     Args:
-      state: An [`fmp.GradScaler`][fmp.GradScaler], an optimizer state holding exactly one (from
+      state: An `fmp.GradScaler`, an optimizer state holding exactly one (from
         ``fmp.optax.loss_scaled``, nested anywhere), or an ``fmp.optax.skip_nonfinite`` state
         (checked against the default limit of 32).
       grads: Optional gradients of the last step, to name the leaves that hold inf/NaN.

@@ -135,15 +135,15 @@ class Policy:
         return dataclasses.replace(self, output_dtype=dtype)
 
     def cast_to_param(self, tree: T) -> T:
-        """Casts the floating leaves of ``tree`` to ``param_dtype`` (see [`cast_tree`][fmp.cast_tree])."""
+        """Casts the floating leaves of ``tree`` to ``param_dtype`` (see `cast_tree`)."""
         return cast_tree(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: T) -> T:
-        """Casts the floating leaves of ``tree`` to ``compute_dtype`` (see [`cast_tree`][fmp.cast_tree])."""
+        """Casts the floating leaves of ``tree`` to ``compute_dtype`` (see `cast_tree`)."""
         return cast_tree(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: T) -> T:
-        """Casts the floating leaves of ``tree`` to ``output_dtype`` (see [`cast_tree`][fmp.cast_tree])."""
+        """Casts the floating leaves of ``tree`` to ``output_dtype`` (see `cast_tree`)."""
         return cast_tree(tree, self.output_dtype)
 
 
@@ -164,7 +164,7 @@ def cast_tree(tree: T, dtype: Any) -> T:
 
     Args:
       tree: Any pytree.
-      dtype: Target floating dtype (anything [`Policy`][fmp.Policy] accepts).
+      dtype: Target floating dtype (anything `Policy` accepts).
 
     Returns:
       A tree of the same structure.
@@ -179,7 +179,7 @@ def cast_tree(tree: T, dtype: Any) -> T:
 
 
 def get_policy(spec: str | Policy) -> Policy:
-    """Builds a [`Policy`][fmp.Policy] from a string spec (or returns a ``Policy`` as is).
+    """Builds a `Policy` from a string spec (or returns a ``Policy`` as is).
 
     Accepted specs:
 

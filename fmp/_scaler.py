@@ -49,18 +49,18 @@ _MSG_DEVICE_ARG = (
 class GradScaler(ScalerCheckpoint):
     """Loss scale for mixed-precision training, as an immutable pytree (torch.amp.GradScaler's rule).
 
-    The array leaves are ``loss_scale`` (float32 scalar; the method [`scale`][fmp.GradScaler.scale] multiplies by it) and ``growth_tracker`` (int32 scalar, consecutive
+    The array leaves are ``loss_scale`` (float32 scalar; the method `GradScaler.scale` multiplies by it) and ``growth_tracker`` (int32 scalar, consecutive
     finite steps); everything else is a static field, so stepping a scaler under ``jax.jit`` never
-    retraces. Methods return new scalers; nothing syncs to the host except [`state_dict`][fmp.GradScaler.state_dict].
+    retraces. Methods return new scalers; nothing syncs to the host except `GradScaler.state_dict`.
 
     The schedule is torch's, bit for bit: a non-finite step multiplies the scale by
     ``backoff_factor`` and resets the tracker; the ``growth_interval``-th consecutive finite step
     multiplies it by ``growth_factor`` (unless that overflows) and resets the tracker. Products are
     rounded through float64 like torch's kernels. One known difference: XLA on CPU flushes float32
     denormals to zero and torch does not, so scales below ~1.2e-38 differ, and above ~8.5e37 the
-    reciprocal used by [`unscale`][fmp.GradScaler.unscale] is a denormal that XLA CPU flushes to zero.
+    reciprocal used by `GradScaler.unscale` is a denormal that XLA CPU flushes to zero.
 
-    Three modes: dynamic (default); static (``dynamic=False`` or [`GradScaler.static`][fmp.GradScaler.static]: a fixed
+    Three modes: dynamic (default); static (``dynamic=False`` or `GradScaler.static`: a fixed
     scale that still reports non-finite steps so they can be skipped); disabled (``enabled=False``: a
     transparent pass-through, ``scale``/``unscale`` return their input and ``update`` returns the same
     scaler).
@@ -75,13 +75,13 @@ class GradScaler(ScalerCheckpoint):
       max_scale: Optional upper clamp on the scale (off by default, like torch).
       dynamic: False keeps the scale fixed (a static scaler).
       max_consecutive_overflows: How many non-finite steps in a row raise
-        [`overflow_alarm`][fmp.GradScaler.overflow_alarm]
+        `GradScaler.overflow_alarm`
         (an int >= 1, default 32). Only a report: the schedule is unchanged.
       loss_scale: The float32 scale array; leave it unset to start from ``init_scale`` (it is set
         when JAX rebuilds the pytree).
       growth_tracker: The int32 count of consecutive finite steps; leave it unset to start from 0.
       consecutive_overflows: The int32 count of non-finite steps in a row (saturating); leave it
-        unset to start from 0. Not part of [`state_dict`][fmp.GradScaler.state_dict] (torch's five keys): a scaler
+        unset to start from 0. Not part of `GradScaler.state_dict` (torch's five keys): a scaler
         loaded from one starts the count at 0.
 
     Raises:
@@ -199,7 +199,7 @@ class GradScaler(ScalerCheckpoint):
         Whatever ``finite`` says, the scale stays a finite float32 > 0 if it was one: a backoff is a
         multiplication by a factor in (0, 1) and a growth that would overflow is not taken. What it
         can do after a very long run of non-finite steps is shrink towards 0 (float32 underflow);
-        ``consecutive_overflows`` counts that run and [`overflow_alarm`][fmp.GradScaler.overflow_alarm] reports it, and
+        ``consecutive_overflows`` counts that run and `GradScaler.overflow_alarm` reports it, and
         ``min_scale`` bounds it.
 
         Args:
@@ -209,7 +209,7 @@ class GradScaler(ScalerCheckpoint):
             ``finite`` is then ignored. A Python number must be finite and > 0 (torch accepts
             anything). An array is only checked for shape and dtype: its value may be a tracer, so
             a non-finite or non-positive array is stored as given and
-            [`fmp.check_scaler_health`][fmp.check_scaler_health]
+            `fmp.check_scaler_health`
             reports it; ``value_and_grad`` and ``loss_scaled`` then skip every step.
 
         Returns:
@@ -271,7 +271,7 @@ class GradScaler(ScalerCheckpoint):
 
         True means a run of non-finite steps too long to be ordinary float16 overflow; every one of
         them was skipped and the scale shrank each time. Outside ``jit``,
-        [`fmp.check_scaler_health`][fmp.check_scaler_health] turns it into a warning.
+        `fmp.check_scaler_health` turns it into a warning.
 
         Examples:
           >>> fmp.GradScaler().overflow_alarm

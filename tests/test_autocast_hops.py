@@ -217,6 +217,47 @@ def test_innermost_override_wins():
 # ---------------------------------------------------------------- explain
 
 
+_MODEL = """
+import jax
+
+def loss(x, w):
+    return jax.nn.softmax(x @ w).sum()
+"""
+
+
+def test_explain_source_paths_are_short_and_the_full_path_is_kept(tmp_path, monkeypatch):
+    """Inside the working directory a row shows the relative path, outside it the file name."""
+    import importlib.util
+
+    path = tmp_path / "project" / "pkg" / "model.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(_MODEL)
+    spec = importlib.util.spec_from_file_location("explain_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = fmp.explain(module.loss)
+    monkeypatch.chdir(tmp_path / "project")
+    (dot,) = report(X, W).filter(op="dot_general").records
+    assert dot.source == "pkg/model.py:5:26 (loss)", dot.source
+    assert dot.source_full == f"{path}:5:26 (loss)" and dot.to_dict()["source_full"] == dot.source_full
+    monkeypatch.chdir(tmp_path)
+    assert report(X, W).filter(op="dot_general").records[0].source == "project/pkg/model.py:5:26 (loss)"
+    monkeypatch.chdir(tmp_path.parent)
+    table = str(report(X, W))
+    assert "model.py:5:26 (loss)" in table and str(tmp_path) not in table
+
+
+def test_short_source():
+    from fmp._core._report import short_source
+
+    site = "/usr/lib/python3.11/site-packages/flax/linen/linear.py:80:4 (__call__)"
+    assert short_source(site, "/home/me/proj") == "linear.py:80:4 (__call__)"
+    assert short_source("/home/me/proj/src/m.py:3 (f)", "/home/me/proj") == "src/m.py:3 (f)"
+    assert short_source("/home/me/project2/m.py:3 (f)", "/home/me/proj") == "m.py:3 (f)"  # a prefix, not a parent
+    assert short_source("<stdin>:1 (<module>)", "/home/me/proj") == "<stdin>:1 (<module>)"
+    assert short_source("", "/home/me/proj") == ""
+
+
 def test_explain_report():
     def f(x, w):
         h = x @ w

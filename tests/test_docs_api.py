@@ -57,20 +57,59 @@ def test_no_sphinx_roles_in_docstrings_or_pages():
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if _ROLE.search(line)
     ]
-    assert not found, "Sphinx roles left (write [`name`][fmp.name] instead):\n" + "\n".join(found)
+    assert not found, "Sphinx roles left (write a plain `fmp.name` instead):\n" + "\n".join(found)
+
+
+# ``[`fmp.autocast`][fmp.autocast]`` is what help() would show; the site links plain `fmp.autocast` itself
+_AUTOREFS = re.compile(r"\[`[^`\]]+`\]\[[\w.]+\]")
+
+
+def test_no_autorefs_markup_in_docstrings():
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in (ROOT / "fmp").rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if _AUTOREFS.search(line)
+    ]
+    assert not found, "autorefs markup in a docstring (write a plain `fmp.name`):\n" + "\n".join(found)
+
+
+def _load_hook(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_help_reads_plain_names_and_the_site_links_them():
+    """help() shows `fmp.autocast`; the griffe extension mkdocs.yml loads turns it into a link to its entry."""
+    griffe = pytest.importorskip("griffe")
+    import fmp
+
+    assert "As for `fmp.autocast`." in fmp.explain.__doc__
+    assert "docs/hooks/backtick_refs.py:BacktickRefs" in (ROOT / "mkdocs.yml").read_text()
+    refs = _load_hook("backtick_refs")
+    pkg = griffe.load("fmp", search_paths=[str(ROOT)], resolve_aliases=True, resolve_external=False)
+    refs.BacktickRefs().on_package(pkg=pkg)
+    assert "As for [`fmp.autocast`][fmp.autocast]." in pkg["explain"].docstring.value
+    exists = refs.lookup(pkg)
+    # short names resolve in the public packages; private, unknown and double-backticked names stay code
+    assert refs.link("`loss_scaled`, `GradScaler.state_dict`", exists) == (
+        "[`loss_scaled`][fmp.optax.loss_scaled], [`GradScaler.state_dict`][fmp.GradScaler.state_dict]"
+    )
+    assert refs.link("`fmp._scaler`, `nope`, ``GradScaler``", exists) == "`fmp._scaler`, `nope`, ``GradScaler``"
 
 
 def test_docs_build_warns_on_a_raw_role(caplog):
     """The mkdocs hook that makes `mkdocs build --strict` fail on a role that reaches a page."""
     pytest.importorskip("mkdocs")
-    import importlib.util
     import logging
     import types
 
     assert "docs/hooks/sphinx_roles.py" in (ROOT / "mkdocs.yml").read_text(), "the hook is not in mkdocs.yml"
-    spec = importlib.util.spec_from_file_location("sphinx_roles", ROOT / "docs" / "hooks" / "sphinx_roles.py")
-    hook = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hook)
+    hook = _load_hook("sphinx_roles")
     page = types.SimpleNamespace(file=types.SimpleNamespace(src_path="api.md"))
     linked = '<p>See <a class="autorefs" href="#fmp.grad"><code>fmp.grad</code></a>.</p>'
     with caplog.at_level(logging.WARNING):

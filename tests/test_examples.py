@@ -34,7 +34,11 @@ FAST = {
     "torch_fx": ("torch_fx.py", "--fast"),
     "apex_migration": ("apex_migration.py", "--fast"),
     "accumulation": ("accumulation.py", "--fast"),
-    "main": ("main.py", "--steps", "100", "--runs", "float32,float16+scaling,float16", "--no-plot", "--quiet"),
+    # growth every 50 steps: the scale doubles on the last of the 100 steps, after the last step it plots
+    "main": (
+        "main.py", "--steps", "100", "--growth-interval", "50", "--runs", "float32,float16+scaling,float16",
+        "--no-plot", "--quiet",
+    ),  # fmt: skip
 }
 _futures: dict[str, concurrent.futures.Future] = {}
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
@@ -205,6 +209,23 @@ def test_main_fast_float16_scaling_matches_float32():
     _assert_no_negative_loss(out)
 
 
+def test_main_reports_what_mixed_precision_saves():
+    """The cost table reads the compiled step; the plotted loss scale ends at the printed final scale."""
+    out = _out("main")
+    costs = {
+        name: [float(v) for v in vals.split("|")]
+        for name, vals in re.findall(r"^\| ([\w+]+) +\| +[0-9]+ +\| (.*) \|$", out, re.M)
+    }
+    assert set(costs) == {"float32", "float16+scaling", "float16"}, out
+    saved, _, _, state = zip(*(costs[n] for n in ("float32", "float16+scaling", "float16")), strict=True)
+    # float16 matmul inputs are what the backward pass keeps: half of float32's bytes; master weights stay float32
+    assert saved[1] == saved[2] and abs(saved[1] / saved[0] - 0.5) < 0.01, out
+    assert state[0] == state[1] == state[2], out
+    final = re.search(r"^\| float16\+scaling +\|.*\| (2\^\d+) +\| \d+/", out, re.M)
+    plotted = re.search(r"^float16\+scaling: loss scale 2\^16 before the first step, (\S+) after the last", out, re.M)
+    assert final and plotted and final.group(1) == plotted.group(1) == "2^18", out
+
+
 def _assert_no_negative_loss(out: str) -> None:
     lows = re.search(r"lowest logged loss: (.*)", out)
     assert lows, out
@@ -273,7 +294,7 @@ def test_multiprocess():
         assert int(fault.group(1)) * 2 == int(before.group(1)) and int(fault.group(2)) == int(before.group(2)) + 1
     # bfloat16 never overflows at 2**16: the torch runs skip the fault step only, and DDP and FSDP2 agree
     digests = {
-        run: re.search(rf"^{run}: 2 processes, skipped 1 of 12; .* params (\w+);", out, re.M)
+        run: re.search(rf"^{run}: 2 processes, skipped 1 of 12; .* params (\w+)$", out, re.M)
         for run in ("ddp", "fsdp2")
     }
     assert all(digests.values()), out

@@ -1,7 +1,7 @@
 """mkdocs hook: a Sphinx role left in a docstring or page (``:func:`x```) is a build warning.
 
-mkdocstrings renders Google-style docstrings, whose cross-references are autorefs links
-(``[`GradScaler`][fmp.GradScaler]``); a Sphinx role renders as literal text. ``strict: true`` in
+mkdocstrings renders Google-style docstrings, whose cross-references are plain backticked names
+(`` `fmp.GradScaler` ``, linked by backtick_refs.py); a Sphinx role renders as literal text. ``strict: true`` in
 mkdocs.yml turns the warning into a failed build.
 """
 
@@ -27,7 +27,7 @@ def on_page_content(html, page, config, files):  # noqa: ARG001 (mkdocs' hook si
     found = raw_roles(html)
     for context in found:
         log.warning(
-            "%s: raw Sphinx role (write an autorefs link, e.g. [`GradScaler`][fmp.GradScaler]): ...%s...",
+            "%s: raw Sphinx role (write a plain backticked name, e.g. `fmp.GradScaler`): ...%s...",
             page.file.src_path,
             context,
         )

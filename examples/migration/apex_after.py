@@ -1,7 +1,8 @@
 """The apex loop of apex_before.py as autocast + GradScaler on fmp.torch (the torch.amp recipe).
 
-The "after" listing of the apex migration page: the model stays float32, autocast picks the dtype per op,
-``GradScaler`` scales the loss and skips non-finite steps. ``import torch.amp as amp`` runs it unchanged.
+The "after" listing of the apex migration page: the model stays float32, autocast picks the dtype
+per op, ``GradScaler`` scales the loss and skips non-finite steps. ``import torch.amp as amp`` runs
+it unchanged.
 
     python examples/migration/apex_after.py [--steps 40]
 """
@@ -17,7 +18,9 @@ import fmp.torch as amp
 def main(steps: int = 40) -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float16 if device == "cuda" else torch.bfloat16  # bfloat16 is CPU autocast's default
+    dtype = (
+        torch.float16 if device == "cuda" else torch.bfloat16
+    )  # bfloat16 is CPU autocast's default
     x = torch.randn(512, 20, device=device)
     y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, a learnable rule
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
@@ -39,10 +42,15 @@ def main(steps: int = 40) -> None:
             print(f"step {step:3d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}")
 
     accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-    print(f"final loss {loss.item():.4f}; train accuracy {100 * accuracy:.1f}%; scale {scaler.get_scale():g}")
+    print(
+        f"final loss {loss.item():.4f}; train accuracy {100 * accuracy:.1f}%; "
+        f"scale {scaler.get_scale():g}"
+    )
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=40)
     main(p.parse_args().steps)

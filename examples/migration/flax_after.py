@@ -1,6 +1,7 @@
 """The flax loop of flax_before.py with ``fmp.GradScaler`` in place of ``DynamicScale``.
 
-The "after" listing of the flax migration page: the scaler, its call and the skip change, nothing else.
+The "after" listing of the flax migration page: the scaler, its call and the skip change, nothing
+else.
 
     python examples/migration/flax_after.py [--steps 200]
 """
@@ -31,7 +32,9 @@ class TrainState(train_state.TrainState):
 def train_step(state, x, y):
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), y
+        ).mean()
 
     loss, grads, finite, scaler = fmp.value_and_grad(loss_fn, state.scaler)(state.params)
     new_state = state.apply_gradients(grads=grads)
@@ -59,12 +62,16 @@ def main(steps: int = 200) -> None:
         batch = slice(64 * (step % 8), 64 * (step % 8 + 1))
         state, loss = train_step(state, x[batch], y[batch])
         if step % 50 == 0:
-            print(f"step {step:3d}  loss {float(loss):.4f}  scale {float(state.scaler.loss_scale):g}")
+            print(
+                f"step {step:3d}  loss {float(loss):.4f}  scale {float(state.scaler.loss_scale):g}"
+            )
     accuracy = float(jnp.mean(jnp.argmax(model.apply({"params": state.params}, x), axis=1) == y))
     print(f"final loss {float(loss)!r}; train accuracy {100 * accuracy:.1f}%")
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=200)
     main(p.parse_args().steps)

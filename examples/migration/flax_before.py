@@ -1,4 +1,5 @@
-"""A flax training loop with ``DynamicScale``: a float16 model, a dynamic loss scale, non-finite steps skipped.
+"""A flax training loop with ``DynamicScale``: a float16 model, a dynamic loss scale, non-finite
+steps skipped.
 
 The "before" listing of the flax migration page (the pattern of flax's ImageNet example);
 ``flax_after.py`` is the same loop with ``fmp.GradScaler`` in place of ``DynamicScale``.
@@ -32,11 +33,14 @@ class TrainState(train_state.TrainState):
 def train_step(state, x, y):
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), y
+        ).mean()
 
     dynamic_scale, finite, loss, grads = state.dynamic_scale.value_and_grad(loss_fn)(state.params)
     new_state = state.apply_gradients(grads=grads)
-    keep_if_finite = functools.partial(jnp.where, finite)  # skip the step if the grads hold inf/NaN
+    # skip the step if the grads hold inf/NaN
+    keep_if_finite = functools.partial(jnp.where, finite)
     new_state = new_state.replace(
         params=jax.tree.map(keep_if_finite, new_state.params, state.params),
         opt_state=jax.tree.map(keep_if_finite, new_state.opt_state, state.opt_state),
@@ -60,12 +64,17 @@ def main(steps: int = 200) -> None:
         batch = slice(64 * (step % 8), 64 * (step % 8 + 1))
         state, loss = train_step(state, x[batch], y[batch])
         if step % 50 == 0:
-            print(f"step {step:3d}  loss {float(loss):.4f}  scale {float(state.dynamic_scale.scale):g}")
+            print(
+                f"step {step:3d}  loss {float(loss):.4f}  "
+                f"scale {float(state.dynamic_scale.scale):g}"
+            )
     accuracy = float(jnp.mean(jnp.argmax(model.apply({"params": state.params}, x), axis=1) == y))
     print(f"final loss {float(loss)!r}; train accuracy {100 * accuracy:.1f}%")
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=200)
     main(p.parse_args().steps)

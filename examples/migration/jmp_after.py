@@ -1,4 +1,5 @@
-"""The jmp loop of jmp_before.py on fmp: each jmp call has its fmp counterpart, autocast picks the dtype per op.
+"""The jmp loop of jmp_before.py on fmp: each jmp call has its fmp counterpart, autocast picks the
+dtype per op.
 
 The "after" listing of the jmp migration page.
 
@@ -34,7 +35,9 @@ opt = optax.adam(1e-2)
 
 
 def loss_fn(params, loss_scale, x, y):
-    logits = fmp.autocast(mlp, policy)(params, x)  # matmuls in float16, the rest as the rule table says
+    logits = fmp.autocast(mlp, policy)(
+        params, x
+    )  # matmuls in float16, the rest as the rule table says
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss_scale.scale(loss), loss
 
@@ -60,14 +63,23 @@ def main(steps: int = 200) -> None:
     loss_scale = fmp.GradScaler(init_scale=2.0**15)
     for step in range(steps):
         batch = slice(64 * (step % 8), 64 * (step % 8 + 1))
-        params, opt_state, loss_scale, loss = train_step(params, opt_state, loss_scale, x[batch], y[batch])
+        params, opt_state, loss_scale, loss = train_step(
+            params, opt_state, loss_scale, x[batch], y[batch]
+        )
         if step % 50 == 0:
-            print(f"step {step:3d}  loss {float(loss):.4f}  scale {float(loss_scale.loss_scale):g}")
+            print(
+                f"step {step:3d}  loss {float(loss):.4f}  scale {float(loss_scale.loss_scale):g}"
+            )
     accuracy = float(jnp.mean(jnp.argmax(mlp(params, x), axis=1) == y))
-    print(f"final loss {float(loss):.4f}; train accuracy {100 * accuracy:.1f}%; params {params['w1'].dtype}")
+    print(
+        f"final loss {float(loss):.4f}; train accuracy {100 * accuracy:.1f}%; "
+        f"params {params['w1'].dtype}"
+    )
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=200)
     main(p.parse_args().steps)

@@ -1,4 +1,5 @@
-"""A jmp training loop: a mixed-precision policy, a dynamic loss scale, and skipped non-finite steps.
+"""A jmp training loop: a mixed-precision policy, a dynamic loss scale, and skipped non-finite
+steps.
 
 The "before" listing of the jmp migration page; ``jmp_after.py`` is the same loop on fmp.
 
@@ -60,14 +61,23 @@ def main(steps: int = 200) -> None:
     loss_scale = jmp.DynamicLossScale(jnp.float32(2**15))
     for step in range(steps):
         batch = slice(64 * (step % 8), 64 * (step % 8 + 1))
-        params, opt_state, loss_scale, loss = train_step(params, opt_state, loss_scale, x[batch], y[batch])
+        params, opt_state, loss_scale, loss = train_step(
+            params, opt_state, loss_scale, x[batch], y[batch]
+        )
         if step % 50 == 0:
-            print(f"step {step:3d}  loss {float(loss):.4f}  scale {float(loss_scale.loss_scale):g}")
+            print(
+                f"step {step:3d}  loss {float(loss):.4f}  scale {float(loss_scale.loss_scale):g}"
+            )
     accuracy = float(jnp.mean(jnp.argmax(mlp(params, x), axis=1) == y))
-    print(f"final loss {float(loss):.4f}; train accuracy {100 * accuracy:.1f}%; params {params['w1'].dtype}")
+    print(
+        f"final loss {float(loss):.4f}; train accuracy {100 * accuracy:.1f}%; "
+        f"params {params['w1'].dtype}"
+    )
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=200)
     main(p.parse_args().steps)

@@ -1,6 +1,7 @@
 """The torch.amp loop of torch_amp_before.py on fmp.torch: one import changed, nothing else.
 
-The "after" listing of the torch.amp migration page; it computes exactly what ``torch_amp_before.py`` does.
+The "after" listing of the torch.amp migration page; it computes exactly what
+``torch_amp_before.py`` does.
 
     python examples/migration/torch_amp_after.py [--steps 40]
 """
@@ -16,7 +17,9 @@ import fmp.torch as amp  # was: import torch.amp as amp
 def main(steps: int = 40) -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.float16 if device == "cuda" else torch.bfloat16  # bfloat16 is CPU autocast's default
+    dtype = (
+        torch.float16 if device == "cuda" else torch.bfloat16
+    )  # bfloat16 is CPU autocast's default
     x = torch.randn(512, 20, device=device)
     y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, a learnable rule
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
@@ -37,10 +40,15 @@ def main(steps: int = 40) -> None:
             print(f"step {step:3d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}")
 
     accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
-    print(f"final loss {loss.item()!r}; train accuracy {100 * accuracy:.1f}%; scale {scaler.get_scale():g}")
+    print(
+        f"final loss {loss.item()!r}; train accuracy {100 * accuracy:.1f}%; "
+        f"scale {scaler.get_scale():g}"
+    )
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=40)
     main(p.parse_args().steps)

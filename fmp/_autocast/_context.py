@@ -18,7 +18,7 @@ from jax.extend.core import JaxprEqn
 from fmp._autocast import _rows
 from fmp._autocast._provenance import Frame
 from fmp._core import _dtypes
-from fmp._core._report import OpRecord
+from fmp._core._report import OpRecord, short_source
 from fmp._core._rules import RuleSet
 from fmp._policy import Policy
 
@@ -111,7 +111,9 @@ class Context:
 
     def record(self, **fields: Any) -> None:
         if self.records is not None:
-            self.records.append(OpRecord(index=len(self.records), **fields))
+            full = fields.pop("source")
+            row = OpRecord(index=len(self.records), source=short_source(full), source_full=full, **fields)
+            self.records.append(row)
 
 
 def _names(avals: Sequence[Any]) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ def explain(
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Callable[..., Report]:
-    """Reports the dtype every operation of ``fn`` runs in under [`fmp.autocast`][fmp.autocast].
+    """Reports the dtype every operation of ``fn`` runs in under `fmp.autocast`.
 
     Returns a function taking ``fn``'s arguments; it traces and rewrites ``fn``
     (nothing is computed) and returns a ``Report``: one
@@ -35,9 +35,9 @@ def explain(
 
     Args:
       fn: The function to inspect.
-      policy: As for [`fmp.autocast`][fmp.autocast].
-      rules: As for [`fmp.autocast`][fmp.autocast].
-      overrides: As for [`fmp.autocast`][fmp.autocast].
+      policy: As for `fmp.autocast`.
+      rules: As for `fmp.autocast`.
+      overrides: As for `fmp.autocast`.
 
     Examples:
       >>> rep = fmp.explain(lambda x, w: jax.nn.softmax(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))

@@ -181,7 +181,7 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
     residuals and the bwd rule's cotangents keep the dtypes of the original
     program, which the user's rules were written for. The bwd rule of a
     custom_vjp runs under the forward's policy (as ``torch.amp.custom_bwd``
-    does), unless it was marked with [`fmp.bwd_as_written`][fmp.bwd_as_written].
+    does), unless it was marked with `fmp.bwd_as_written`.
     """
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
     invals = _pin(invals, closed.in_avals, ctx)

@@ -107,8 +107,8 @@ def autocast_jaxpr(
 
     Args:
       closed_jaxpr: The program, e.g. from ``jax.make_jaxpr(f)(*args)``.
-      policy: A policy spec or [`fmp.Policy`][fmp.Policy].
-      rules: A [`fmp.RuleSet`][fmp.RuleSet]; ``None`` means ``fmp.DEFAULT_RULES``.
+      policy: A policy spec or `fmp.Policy`.
+      rules: A `fmp.RuleSet`; ``None`` means ``fmp.DEFAULT_RULES``.
       overrides: Optional ``{scope_substring: policy}``: equations whose name
         scope contains the substring run under that policy (the innermost match
         wins), with their inputs first returned to their original dtypes.

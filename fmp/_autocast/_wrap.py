@@ -37,7 +37,7 @@ def autocast(
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
     ``fn`` is traced to a jaxpr and its rewrite (the program
-    [`fmp.autocast_jaxpr`][fmp.autocast_jaxpr] returns) is evaluated in the caller's trace, so the result composes with ``jax.jit``,
+    `fmp.autocast_jaxpr` returns) is evaluated in the caller's trace, so the result composes with ``jax.jit``,
     ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
     the policy's compute dtype, exponentials, logarithms, powers and sums in
     float32, multi-input elementwise ops in their widest input, except that a
@@ -57,8 +57,8 @@ def autocast(
     Args:
       fn: The function; omit it to use ``autocast(policy=...)`` as a decorator.
       policy: A policy spec (``"mixed_bfloat16"``, ``"mixed_float16"``,
-        ``"float32"``, ``"p=f32,c=bf16"``) or an [`fmp.Policy`][fmp.Policy].
-      rules: A [`fmp.RuleSet`][fmp.RuleSet]; ``None`` means ``fmp.DEFAULT_RULES``.
+        ``"float32"``, ``"p=f32,c=bf16"``) or an `fmp.Policy`.
+      rules: A `fmp.RuleSet`; ``None`` means ``fmp.DEFAULT_RULES``.
       enabled: ``False`` runs ``fn`` exactly as written, also inside an outer autocast.
       overrides: ``{scope_substring: policy}``: ops under a ``jax.named_scope``
         (flax linen opens one per module; a submodule of an nnx module passed as
@@ -67,7 +67,7 @@ def autocast(
         case-sensitive on the scopes opened inside ``fn``; the innermost wins.
         An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
       fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
-        the scales come from (see [`fmp.float8_state`][fmp.float8_state]). Differentiate with
+        the scales come from (see `fmp.float8_state`). Differentiate with
         respect to it to get the next state's amax history.
 
     Returns:
@@ -170,7 +170,7 @@ def float8_state(
 def bwd_as_written(bwd: Callable[..., Any]) -> Callable[..., Any]:
     """Marks a ``jax.custom_vjp`` backward rule to run exactly as written under autocast.
 
-    By default [`fmp.autocast`][fmp.autocast] runs a custom_vjp's backward rule under the
+    By default `fmp.autocast` runs a custom_vjp's backward rule under the
     policy of its forward call, as ``torch.amp.custom_bwd`` does for a custom
     autograd Function: a matmul in the rule runs in the compute dtype, an
     ``exp`` in float32, and the cotangents it returns keep the dtypes the rule

@@ -7,6 +7,8 @@ so a user can put the JAX and the torch precision maps side by side.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +20,9 @@ class OpRecord:
     Attributes:
       index: Position in program order (nested bodies are flattened in order).
       op: Primitive or op name (``"dot_general"``, ``"aten::mm"``).
-      source: The user's source line (``"model.py:12 (forward)"``), or ``""``.
+      source: The user's source line, its path relative to the working directory
+        (``"src/model.py:12:8 (forward)"``), or only the file name for a file outside it
+        (``"linear.py:80:4 (__call__)"``); ``""`` when unknown.
       scope: Name scope / module path the op came from, or ``""``.
       category: The rule that decided it (a ``Category`` value, or ``"cast"``
         for a cast fmp inserted, ``"user_cast"`` for one the user wrote,
@@ -31,6 +35,7 @@ class OpRecord:
       flops: Estimated floating-point operations (0 when unknown or negligible).
       detail: Extra facts about the decision; for a ``float8`` row, the scaling
         recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...).
+      source_full: ``source`` with the file's full path.
     """
 
     index: int
@@ -44,12 +49,32 @@ class OpRecord:
     out_after: tuple[str, ...]
     flops: float = 0.0
     detail: str = ""
+    source_full: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 LOW = ("bfloat16", "float16")
+_LOCATION = re.compile(r"(?P<path>.+?)(?P<rest>:\d+.*)")
+
+
+def short_source(full: str, root: str | None = None) -> str:
+    """``full`` (``"/path/to/model.py:12:8 (forward)"``) with a short path.
+
+    The path becomes relative to ``root`` (default: the working directory) when the file lies inside it,
+    and the bare file name otherwise (a library in site-packages); anything that is not an absolute
+    path (``"<stdin>:1 (<module>)"``) is returned as is.
+    """
+    m = _LOCATION.fullmatch(full)
+    if m is None or not os.path.isabs(m["path"]):
+        return full
+    path, root = os.path.normpath(m["path"]), os.path.abspath(root or os.getcwd())
+    try:
+        inside = os.path.commonpath([path, root]) == root
+    except ValueError:  # another drive
+        inside = False
+    return (os.path.relpath(path, root) if inside else os.path.basename(path)) + m["rest"]
 
 
 @dataclasses.dataclass(frozen=True)

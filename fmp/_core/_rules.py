@@ -1,4 +1,4 @@
-"""Precision categories and [`RuleSet`][fmp.RuleSet], the one rule table for both frameworks."""
+"""Precision categories and `RuleSet`, the one rule table for both frameworks."""
 
 from __future__ import annotations
 
@@ -68,13 +68,13 @@ def _table(**categories: Iterable[str]) -> dict[str, Category]:
 class RuleSet:
     """An immutable precision rule table for JAX primitives and torch ATen ops.
 
-    ``RuleSet`` maps operation names to a [`Category`][fmp.Category]. JAX primitives are
+    ``RuleSet`` maps operation names to a `Category`. JAX primitives are
     keyed by primitive name (``"dot_general"``); torch ops by dispatcher name
     (``"aten::mm"``, ``"aten::pow.Tensor_Scalar"``), separately for the ``"cpu"``
     and ``"cuda"`` autocast registries because torch's two lists differ.
     An operation that is not in the table is ``UNLISTED``.
 
-    Build a custom rule set with [`derive`][fmp.RuleSet.derive]; the default one is
+    Build a custom rule set with `RuleSet.derive`; the default one is
     ``fmp.DEFAULT_RULES``. A ``RuleSet`` is hashable, so it can be a static
     argument of ``jax.jit``.
 
@@ -183,7 +183,7 @@ class RuleSet:
             ``unlisted=["exp"]``. An op may appear in one category only.
 
         Returns:
-          A new [`RuleSet`][fmp.RuleSet]; ``self`` is not modified.
+          A new `RuleSet`; ``self`` is not modified.
 
         Raises:
           ValueError: on an unknown category, framework or device, or an op named twice.
@@ -327,7 +327,7 @@ DEFAULT_RULES = RuleSet(
     jax_epilogue=data.JAX_EPILOGUE,
     torch_cpu_autocast_inside=data.TORCH_CPU_AUTOCAST_INSIDE,
 )
-"""The rule table fmp ships and uses by default: one [`RuleSet`][fmp.RuleSet] for both frameworks.
+"""The rule table fmp ships and uses by default: one `RuleSet` for both frameworks.
 
 Its JAX table says which primitives run in the compute dtype (``float8``: ``dot_general`` and convolutions,
 which run in float8 under a policy with an fp8 recipe and in the compute dtype otherwise), which in float32

@@ -2,7 +2,7 @@
 
 This module is the single source of truth for which operation runs in which
 precision. It holds no logic and imports nothing: ``fmp._core._rules`` wraps it
-in [`RuleSet`][fmp.RuleSet], the JAX transform and the torch FX transform both read
+in `RuleSet`, the JAX transform and the torch FX transform both read
 it through that class.
 
 Torch op names are the dispatcher keys autocast is registered on

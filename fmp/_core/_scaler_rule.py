@@ -43,7 +43,7 @@ DEFAULT_MAX_CONSECUTIVE_OVERFLOWS = 32
 class ScaleHealthWarning(UserWarning):
     """A loss scaler has seen a long run of non-finite steps, or its scale is no longer a finite number > 0.
 
-    [`fmp.check_scaler_health`][fmp.check_scaler_health] and ``fmp.torch.GradScaler`` warn with it.
+    `fmp.check_scaler_health` and ``fmp.torch.GradScaler`` warn with it.
 
     Examples:
       >>> import warnings
@@ -73,7 +73,7 @@ HINT_NO_LEAVES = "Pass the gradients to fmp.check_scaler_health(state, grads) (o
 
 
 def health_message(*, where: str, count: int, limit: int, scale: float, hint: str) -> str | None:
-    """The text of a [`ScaleHealthWarning`][fmp.ScaleHealthWarning], or None if ``count`` and ``scale`` are healthy."""
+    """The text of a `ScaleHealthWarning`, or None if ``count`` and ``scale`` are healthy."""
     if not (math.isfinite(scale) and scale > 0):
         return _MSG_BAD_SCALE.format(where=where, scale=scale, hint=hint)
     if count >= limit:

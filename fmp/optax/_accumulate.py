@@ -1,7 +1,7 @@
 """Gradient accumulation that recovers from a non-finite micro-batch (torch's accumulation recipe for optax).
 
 ``optax.MultiSteps`` resets its accumulator as ``0 * acc``; after one inf/NaN micro-batch that is ``0 * inf =
-NaN``, so every later effective batch is non-finite too. [`accumulate`][fmp.optax.accumulate] resets with a select, so
+NaN``, so every later effective batch is non-finite too. `accumulate` resets with a select, so
 a bad micro-batch costs exactly its own effective batch.
 """
 
@@ -19,7 +19,7 @@ _MSG_EVERY_K = "every_k must be an int >= 1 (micro-batches per effective batch),
 
 
 class AccumulateState(NamedTuple):
-    """State of [`accumulate`][fmp.optax.accumulate].
+    """State of `accumulate`.
 
     Attributes:
       mini_step: int32, micro-batches accumulated so far in the current effective batch (0 .. every_k - 1).
@@ -63,8 +63,8 @@ def accumulate(
     Micro-steps return ``-0.0`` updates (the exact identity of ``p + u``); the last micro-step of each
     effective batch returns ``inner``'s updates. Gradients narrower than float32 are summed in float32 and
     cast back to their dtype before ``inner`` sees them (as ``MultiSteps`` does).
-    [`current_scaler`][fmp.optax.current_scaler]
-    finds the scaler inside; with master weights put [`master_weights`][fmp.optax.master_weights] outermost:
+    `current_scaler`
+    finds the scaler inside; with master weights put `master_weights` outermost:
     ``master_weights(accumulate(loss_scaled(inner), k))``. Extra arguments (``value=...``) reach ``inner``
     from the last micro-step of each effective batch.
 
@@ -75,7 +75,7 @@ def accumulate(
         False passes the sum, for losses already divided by ``every_k`` (torch's recipe).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is an [`AccumulateState`][fmp.optax.AccumulateState].
+      An ``optax.GradientTransformationExtraArgs`` whose state is an `AccumulateState`.
 
     Raises:
       TypeError: ``every_k`` is not an int, or ``use_grad_mean`` not a bool.

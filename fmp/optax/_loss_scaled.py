@@ -20,10 +20,10 @@ _MSG_NO_SCALER = (
 
 
 class LossScaledState(NamedTuple):
-    """State of [`loss_scaled`][fmp.optax.loss_scaled].
+    """State of `loss_scaled`.
 
     Attributes:
-      scaler: The [`fmp.GradScaler`][fmp.GradScaler] to scale the next loss with.
+      scaler: The `fmp.GradScaler` to scale the next loss with.
       inner_state: The wrapped optimizer's state (untouched on skipped steps).
       skipped_steps: int32, total skipped (non-finite) steps; saturates.
       consecutive_skipped: int32, non-finite steps in a row; 0 after a finite step. The scaler counts
@@ -45,7 +45,7 @@ class LossScaledState(NamedTuple):
 
 
 class SkipNonfiniteState(NamedTuple):
-    """State of [`skip_nonfinite`][fmp.optax.skip_nonfinite] (the counters mean what they mean in [`LossScaledState`][fmp.optax.LossScaledState]).
+    """State of `skip_nonfinite` (the counters mean what they mean in `LossScaledState`).
 
     Examples:
       >>> import optax, fmp.optax
@@ -114,7 +114,7 @@ def loss_scaled(
     """Wraps ``inner`` for loss-scaled gradients: unscale, check, apply ``inner`` only if finite, adapt the scale.
 
     ``update`` takes the gradients of the *scaled* loss (scale it with
-    [`current_scaler`][fmp.optax.current_scaler] of the state), checks them for inf/NaN with one reduction, unscales
+    `current_scaler` of the state), checks them for inf/NaN with one reduction, unscales
     them (torch's float32 reciprocal) and runs ``inner``. On a non-finite step it returns zero updates
     (``-0.0``, the exact identity of ``p + u``) and keeps ``inner``'s state bit for bit, step counts
     included. Then it updates the scaler with torch's rule. Everything is branch-free and jit-safe.
@@ -126,7 +126,7 @@ def loss_scaled(
     ``fmp.optax.accumulate(loss_scaled(inner), k)``: it checks, skips and updates the scale once per
     effective batch, like torch's accumulation recipe, and recovers after a non-finite micro-batch
     (``optax.MultiSteps`` does not: its ``0 * acc`` reset keeps a NaN forever). ``inject_hyperparams`` works outside or
-    inside it; [`current_scaler`][fmp.optax.current_scaler] finds the scaler through all of them.
+    inside it; `current_scaler` finds the scaler through all of them.
 
     Args:
       inner: The optimizer to guard.
@@ -136,11 +136,11 @@ def loss_scaled(
         finite flag over so every device skips together. Not needed under ``jit`` with sharded arrays.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a [`LossScaledState`][fmp.optax.LossScaledState].
+      An ``optax.GradientTransformationExtraArgs`` whose state is a `LossScaledState`.
 
     Raises:
       TypeError: ``inner`` is not a GradientTransformation or ``scaler`` is not a GradScaler; from
-        ``update``: integer/bool gradients, or a state that is not a [`LossScaledState`][fmp.optax.LossScaledState].
+        ``update``: integer/bool gradients, or a state that is not a `LossScaledState`.
       ValueError: from ``update``: gradients shaped unlike ``params`` (tree or leaf shapes).
 
     Examples:
@@ -199,14 +199,14 @@ def skip_nonfinite(
 
     Args:
       inner: The optimizer to guard.
-      axis_name: As in [`loss_scaled`][fmp.optax.loss_scaled].
+      axis_name: As in `loss_scaled`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      [`SkipNonfiniteState`][fmp.optax.SkipNonfiniteState].
+      `SkipNonfiniteState`.
 
     Raises:
-      TypeError, ValueError: as for [`loss_scaled`][fmp.optax.loss_scaled].
+      TypeError, ValueError: as for `loss_scaled`.
 
     Examples:
       >>> import optax
@@ -239,7 +239,7 @@ def _find_states(opt_state: Any) -> list[LossScaledState]:
 
 
 def current_scaler(opt_state: optax.OptState) -> GradScaler:
-    """Finds the [`fmp.GradScaler`][fmp.GradScaler] inside an optimizer state built with [`loss_scaled`][fmp.optax.loss_scaled].
+    """Finds the `fmp.GradScaler` inside an optimizer state built with `loss_scaled`.
 
     Looks through any nesting (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``, your own
     NamedTuples). Scale the next loss with the result.

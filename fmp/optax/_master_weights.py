@@ -27,7 +27,7 @@ _MSG_FIND = (
 
 
 class MasterWeightsState(NamedTuple):
-    """State of [`master_weights`][fmp.optax.master_weights].
+    """State of `master_weights`.
 
     Attributes:
       master: A tree shaped like the params: the ``master_dtype`` copy of every floating leaf narrower than
@@ -87,7 +87,7 @@ def master_weights(
     every ordinary step. A leaf that jumps further (e.g. crossing zero) can land one rounding of the difference
     away; the master is unaffected and the next update re-targets ``cast(master)``, so the error does not
     accumulate. A step that leaves a master element unchanged (a skipped step) leaves its param unchanged too,
-    bit for bit. [`master_params`][fmp.optax.master_params] gives ``cast(master)`` exactly, whatever happened.
+    bit for bit. `master_params` gives ``cast(master)`` exactly, whatever happened.
 
     Composes with ``optax.chain`` and with other wrappers. With loss scaling, put ``master_weights``
     outermost, ``master_weights(loss_scaled(inner))``: the scaled float16 gradients are cast to float32
@@ -101,7 +101,7 @@ def master_weights(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      [`MasterWeightsState`][fmp.optax.MasterWeightsState].
+      `MasterWeightsState`.
 
     Raises:
       TypeError: ``inner`` is not a GradientTransformation, ``master_dtype`` is not a floating dtype,
@@ -178,20 +178,20 @@ def master_weights(
 def master_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
     """``cast(master, param.dtype)`` for every leaf with a master copy, ``params`` elsewhere.
 
-    Finds the one [`MasterWeightsState`][fmp.optax.MasterWeightsState] anywhere inside ``opt_state`` (a chain, a
+    Finds the one `MasterWeightsState` anywhere inside ``opt_state`` (a chain, a
     wrapper's state).
     Use it to resynchronise params with their masters bit for bit, e.g. after restoring a checkpoint that
     saved only the optimizer state.
 
     Args:
-      opt_state: An optimizer state containing exactly one [`MasterWeightsState`][fmp.optax.MasterWeightsState].
+      opt_state: An optimizer state containing exactly one `MasterWeightsState`.
       params: The current params (for the structure, dtypes and the leaves without a master).
 
     Returns:
       A tree like ``params``.
 
     Raises:
-      ValueError: ``opt_state`` holds no or several [`MasterWeightsState`][fmp.optax.MasterWeightsState].
+      ValueError: ``opt_state`` holds no or several `MasterWeightsState`.
 
     Examples:
       >>> import optax

@@ -17,7 +17,7 @@ _MSG_NOT_READABLE = (
 
 
 def scaler_stats(opt_state: optax.OptState) -> dict[str, float | int]:
-    """Reads the loss scale and the skip counters of a [`fmp.optax.loss_scaled`][fmp.optax.loss_scaled] state in one host transfer.
+    """Reads the loss scale and the skip counters of a `fmp.optax.loss_scaled` state in one host transfer.
 
     For logging outside ``jit``. Under ``jax.distributed`` the scaler state is a replicated global array:
     every process holds the whole value, so this works on each process without any communication and

@@ -6,7 +6,7 @@ Design
   a ``torch.amp.autocast`` underneath. Results, the cast cache, thread-locality,
   nesting, export capture and every warning are torch's own, so outputs are
   bit-identical to ``torch.autocast`` by construction.
-* **Custom rules** (``rules=`` another [`fmp.RuleSet`][fmp.RuleSet]): torch's autocast is
+* **Custom rules** (``rules=`` another `fmp.RuleSet`): torch's autocast is
   switched off for the region and a ``TorchFunctionMode`` casts the floating
   arguments of each torch call per ``rules.category("aten::<name>", "torch",
   device)`` and ``fmp._core._rules.decide``, with torch's eligibility rule
@@ -168,10 +168,10 @@ class autocast:  # noqa: N801 (torch's name)
         device (CPU bfloat16, CUDA float16) or the policy's compute dtype.
       enabled: False makes an autocast-free region (nestable).
       cache_enabled: torch's weight-cast cache (``None``: torch's current setting).
-      policy: An [`fmp.Policy`][fmp.Policy] or spec (``"mixed_bfloat16"``); its compute
+      policy: An `fmp.Policy` or spec (``"mixed_bfloat16"``); its compute
         dtype is the region's dtype (a float32 compute dtype disables the region).
         As a decorator, floating tensor outputs are cast to its output dtype.
-      rules: A custom [`fmp.RuleSet`][fmp.RuleSet]; ops are cast per its torch table by a
+      rules: A custom `fmp.RuleSet`; ops are cast per its torch table by a
         torch-function mode (see the module docs for the limits).
 
     Raises:

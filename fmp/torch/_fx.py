@@ -54,7 +54,7 @@ def rewrite(
     rules: RuleSet,
     events: list[Event] | None = None,
 ) -> torch.fx.GraphModule:
-    """The transform behind [`autocast_graph`][fmp.torch.autocast_graph] (policy already resolved)."""
+    """The transform behind `autocast_graph` (policy already resolved)."""
     check_meta(graph_module.graph)
     attrs = _attrs(graph_module)
     rw = Rewriter(rules, {device_type: (True, dtype)}, _fake_mode_of(graph_module.graph), attrs, events)

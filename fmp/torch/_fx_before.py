@@ -2,8 +2,8 @@
 
 A traced graph's recorded values may already show autocast's dtypes (tracing
 runs with torch's autocast state on), so the report recomputes them with fake
-tensors from the program's own ops. Only [`fmp.torch.explain_fx`][fmp.torch.explain_fx] and
-[`fmp.torch.explain_graph`][fmp.torch.explain_graph] read these; the rewrite itself never does.
+tensors from the program's own ops. Only `fmp.torch.explain_fx` and
+`fmp.torch.explain_graph` read these; the rewrite itself never does.
 """
 
 from __future__ import annotations

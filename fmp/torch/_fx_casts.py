@@ -10,7 +10,7 @@ gradient and sum in float32. So the rewritten graph shares a cast exactly where
 torch's cache would, and gives every other use its own ``_to_copy`` node.
 
 Graph inputs are tensors of the caller's, which may or may not be leaves that
-require grad; [`fmp.torch.autocast_fx`][fmp.torch.autocast_fx] records that of each example input
+require grad; `fmp.torch.autocast_fx` records that of each example input
 on its placeholder (``meta["fmp_grad_leaf"]``), and the rewrite follows it. Like
 the rest of a trace, the decision is fixed when the graph is built: a parameter
 frozen then (``requires_grad=False``) and unfrozen later keeps its casts per use.

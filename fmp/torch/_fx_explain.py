@@ -12,7 +12,7 @@ import torch
 import torch.fx
 
 import fmp
-from fmp._core._report import OpRecord, Report
+from fmp._core._report import OpRecord, Report, short_source
 from fmp._core._rules import RuleSet
 from fmp.torch import _fx
 from fmp.torch._fx_common import Event, _float_names
@@ -24,12 +24,12 @@ _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot"}
 
 
 def _source(node: torch.fx.Node | None) -> str:
-    """``file.py:12 (fn)`` of the innermost user frame of a node's stack trace, or ``""``."""
+    """``/path/to/file.py:12 (fn)`` of the innermost user frame of a node's stack trace, or ``""``."""
     trace = node.meta.get("stack_trace", "") if node is not None else ""
     frames = _FRAME.findall(trace or "")
     for path, line, fn in reversed(frames):
         if not path.startswith(_LIBRARY_DIRS):
-            return f"{path.rsplit('/', 1)[-1]}:{line} ({fn})"
+            return f"{path}:{line} ({fn})"
     return ""
 
 
@@ -81,11 +81,13 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
     for i, ev in enumerate(events):
         node = ev.node
         origin = ev.origin if ev.origin is not None else node
+        full = _source(origin)
         rows.append(
             OpRecord(
                 index=i,
                 op=ev.op,
-                source=_source(origin),
+                source=short_source(full),
+                source_full=full,
                 scope=_cast_scope(node, origin) if ev.category == "cast" else _scope(origin),
                 category=ev.category,
                 in_before=ev.in_before,
@@ -110,9 +112,9 @@ def explain_graph(
     device_type: str | None = None,
     dtype: Any = None,
 ) -> Report:
-    """The precision report of [`autocast_graph`][fmp.torch.autocast_graph] on ``graph_module``.
+    """The precision report of `autocast_graph` on ``graph_module``.
 
-    Args and policy spellings are those of [`autocast_graph`][fmp.torch.autocast_graph].
+    Args and policy spellings are those of `autocast_graph`.
 
     Returns:
       An ``fmp`` ``Report`` (``framework="torch"``): one row per ATen op of the
@@ -143,9 +145,9 @@ def explain_fx(
     dtype: Any = None,
     rules: RuleSet | None = None,
 ) -> Report:
-    """The precision report of [`autocast_fx`][fmp.torch.autocast_fx]: which op runs in which dtype, and why.
+    """The precision report of `autocast_fx`: which op runs in which dtype, and why.
 
-    Takes the arguments of [`autocast_fx`][fmp.torch.autocast_fx]. Each row gives the op
+    Takes the arguments of `autocast_fx`. Each row gives the op
     (``aten::linear``), the user's source line, the rule (``lower_precision``,
     ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted cast,
     ``user_cast`` for one the program makes), and the floating dtypes of its

@@ -2,7 +2,7 @@
 
 Each ``call_function`` node whose target is an ATen ``OpOverload`` is keyed the way
 torch's autocast dispatch keys are (``aten::<name>[.<overload>]``) and looked up in
-a [`RuleSet`][fmp.RuleSet] for the device its tensors live on. Listed ops get
+a `RuleSet` for the device its tensors live on. Listed ops get
 ``aten._to_copy.default(x, dtype=...)`` nodes on their eligible inputs (floating,
 not float64, on that device), decided by ``fmp._core._rules.decide``.
 Unlisted ``CompositeImplicitAutograd`` ops are decomposed one level and rewritten

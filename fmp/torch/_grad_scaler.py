@@ -18,7 +18,7 @@ peeks at them keeps working. What is fmp's own:
 
 The hooks ``_allow_fp16``, ``_found_inf_shape``, ``_coalesce_fp16``,
 ``_found_inf_group``, ``_check_output``, ``_scaled`` and ``_update_ops`` are
-what [`fmp.torch.ShardedGradScaler`][fmp.torch.ShardedGradScaler] overrides.
+what `fmp.torch.ShardedGradScaler` overrides.
 
 Unscaling calls torch's own ``_amp_foreach_non_finite_check_and_unscale_``
 kernel once per (device, dtype) bucket, so unscaled gradients are bit-identical
@@ -95,7 +95,7 @@ class GradScaler(ScalerSettings):
         again (or build a new scaler and ``load_state_dict``) after loading.
       max_consecutive_overflows: fmp's own: after this many iterations in a row
         whose ``step`` skipped the optimizer, ``update()`` warns once
-        ([`fmp.ScaleHealthWarning`][fmp.ScaleHealthWarning]). It counts the decisions ``step``
+        (`fmp.ScaleHealthWarning`). It counts the decisions ``step``
         already read on the host, so it costs no extra sync; iterations decided
         on the device (fused optimizers) leave the count as it is.
 

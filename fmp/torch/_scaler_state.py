@@ -16,7 +16,7 @@ from fmp.torch._scaler_messages import MSG_EMPTY_STATE, MSG_PICKLE
 
 
 class ScalerSettings:
-    """The part of [`fmp.torch.GradScaler`][fmp.torch.GradScaler] that reads, writes, saves and loads its settings."""
+    """The part of `fmp.torch.GradScaler` that reads, writes, saves and loads its settings."""
 
     # set by GradScaler.__init__ (the hyper-parameters only when enabled, as in torch)
     _enabled: bool

@@ -74,7 +74,7 @@ class ShardedGradScaler(GradScaler):
       process_group: The ``torch.distributed`` group the flags are reduced over; ``None`` (default) is the
         default group, as in torch (whose default, ``dist.group.WORLD``, is None at import time). It is
         not pickled.
-      max_consecutive_overflows: fmp's own, as in [`fmp.torch.GradScaler`][fmp.torch.GradScaler].
+      max_consecutive_overflows: fmp's own, as in `fmp.torch.GradScaler`.
 
     Raises:
       AssertionError: ``growth_factor <= 1`` or ``backoff_factor >= 1`` on an enabled scaler; ``scale`` of
@@ -155,7 +155,7 @@ class ShardedGradScaler(GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place and reduces the inf flag over the group.
 
-        Like [`fmp.torch.GradScaler.unscale_`][fmp.torch.GradScaler.unscale_], but float16 gradients are accepted, and the flag is
+        Like `fmp.torch.GradScaler.unscale_`, but float16 gradients are accepted, and the flag is
         all-reduced (one collective) so every rank sees the same answer.
 
         Raises:

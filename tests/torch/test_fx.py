@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -408,7 +410,9 @@ def test_explain_fx_report():
     assert linear.flops == 2 * 8 * 12 * 32 or linear.flops == 2 * 8 * 32 * 5
     ce = by_op["aten::cross_entropy_loss"]
     assert ce.category == "float32" and ce.in_after == ("float32",)
-    assert ce.source.startswith("test_fx.py:") and "forward" in ce.source
+    # the row shows the path relative to the working directory; the full path is kept
+    assert ce.source_full.startswith(__file__ + ":") and "forward" in ce.source
+    assert ce.source == os.path.relpath(__file__) + ce.source_full.removeprefix(__file__)
     gm = fmp.torch.autocast_fx(model, (x, t), ("cpu", torch.bfloat16))
     assert report.summary["casts_inserted"] == len(_casts(gm))
     assert "aten::cross_entropy_loss" in str(report)

@@ -2,7 +2,7 @@
 
 A drop-in for the removed ``apex.fp16_utils`` (``from fmp.torch import fp16_utils``) that runs on CPU and
 CUDA. Overflow is detected element-wise with torch's own kernel; see
-[`FP16_Optimizer`][fmp.torch.fp16_utils.FP16_Optimizer] for the documented differences from apex.
+`FP16_Optimizer` for the documented differences from apex.
 """
 
 from fmp.torch.fp16_utils._fp16util import BN_convert_float as BN_convert_float

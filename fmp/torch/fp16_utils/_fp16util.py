@@ -43,7 +43,7 @@ def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802  (apex's nam
 
 
 def network_to_half(network: nn.Module) -> nn.Sequential:
-    """Converts a model to half precision in a BatchNorm-safe way (legacy; prefer [`FP16Model`][fmp.torch.fp16_utils.FP16Model]).
+    """Converts a model to half precision in a BatchNorm-safe way (legacy; prefer `FP16Model`).
 
     Returns ``nn.Sequential(tofp16(), BN_convert_float(network.half()))``; ``network`` is converted in place.
 

@@ -2,10 +2,10 @@
 
 Three classes live here:
 
-* [`LossScaler`][fmp.torch.fp16_utils.LossScaler] and [`DynamicLossScaler`][fmp.torch.fp16_utils.DynamicLossScaler]:
+* `LossScaler` and `DynamicLossScaler`:
   the classes apex exported from
   ``apex.fp16_utils`` (``loss_scaler.py``), same names, attributes and defaults.
-* ``_AmpLossScaler``: the scaler [`FP16_Optimizer`][fmp.torch.fp16_utils.FP16_Optimizer] actually uses. Since 2019
+* ``_AmpLossScaler``: the scaler `FP16_Optimizer` actually uses. Since 2019
   apex's ``FP16_Optimizer`` drives ``apex.amp.scaler.LossScaler`` (init 2**16, window 2000, max 2**24,
   optional min, factor hard-coded to 2), not the exported ``DynamicLossScaler``; we keep that split.
 

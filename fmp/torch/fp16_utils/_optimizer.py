@@ -30,8 +30,8 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
 
     Each float16/bfloat16 parameter that requires grad is replaced in ``init_optimizer.param_groups`` by a
     float32 master copy (its optimizer state is re-keyed and recast); float32 parameters are used as they
-    are. [`backward`][fmp.torch.fp16_utils.FP16_Optimizer.backward] scales the loss and unscales the gradients into
-    the masters, [`step`][fmp.torch.fp16_utils.FP16_Optimizer.step] steps
+    are. `FP16_Optimizer.backward` scales the loss and unscales the gradients into
+    the masters, `FP16_Optimizer.step` steps
     the masters and copies them back into the model's half parameters. Runs on CPU and CUDA (no CUDA-only
     call), unlike apex.
 
@@ -40,7 +40,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
     max_loss_scale)`` (2**16), halves on overflow (no floor unless ``min_loss_scale``), doubles after
     ``scale_window`` (2000) clean updates, capped at ``max_loss_scale`` (2**24), and **ignores
     ``scale_factor``** (apex hard-codes 2). The scale changes inside
-    [`backward`][fmp.torch.fp16_utils.FP16_Optimizer.backward].
+    `FP16_Optimizer.backward`.
 
     Differences from apex (deliberate, all tested):
 
@@ -55,7 +55,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
     * ``state_dict()['loss_scaler']`` is a dict of Python scalars (torch's five scaler keys plus
       ``dynamic``, ``min_loss_scale``, ``max_loss_scale``), not a pickled object, so ``torch.load`` with its
       default ``weights_only=True`` reads the checkpoint;
-    * [`inspect_master_grad_data`][fmp.torch.fp16_utils.FP16_Optimizer.inspect_master_grad_data] warns
+    * `FP16_Optimizer.inspect_master_grad_data` warns
       (``UserWarning``) instead of printing.
 
     Args:
@@ -207,7 +207,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a [`state_dict`][fmp.torch.fp16_utils.FP16_Optimizer.state_dict]; call ``model.load_state_dict`` too (before or after).
+        """Loads a `FP16_Optimizer.state_dict`; call ``model.load_state_dict`` too (before or after).
 
         The saved float32 masters are copied into the current ones, so no precision is lost on resume.
 
@@ -279,7 +279,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
           loss: The loss (float or half; it is converted to float32 before scaling).
           update_master_grads: Copy and unscale the model grads into the master grads now. Pass False
             for every loss but the last when several losses are backpropagated into one step, then call
-            [`update_master_grads`][fmp.torch.fp16_utils.FP16_Optimizer.update_master_grads] once (each call also
+            `FP16_Optimizer.update_master_grads` once (each call also
             advances the dynamic scale schedule).
           retain_graph: Forwarded to ``Tensor.backward``.
         """
@@ -316,7 +316,7 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
         self.overflow = self.loss_scaler.update_scale()
 
     def _rescale_unscaled_grads(self) -> None:
-        """Brings grads left by an earlier [`update_master_grads`][fmp.torch.fp16_utils.FP16_Optimizer.update_master_grads] back to the current loss scale.
+        """Brings grads left by an earlier `FP16_Optimizer.update_master_grads` back to the current loss scale.
 
         Another backward pass before ``zero_grad`` adds scaled grads to them: float32 params were unscaled
         in place, and half model grads carry the scale of that time, which a dynamic update may have
