@@ -19,6 +19,7 @@ import numpy as np
 
 from fmp._arrays import check_leaf
 from fmp._core import _scaler_rule
+from fmp._fp8._state import Float8State
 
 _UNSET: Any = object()  # sentinel: "build the arrays from init_scale"
 
@@ -431,7 +432,10 @@ class GradScaler:
         The reciprocal is ``float32(1 / float64(scale))``. float32 leaves are multiplied in float32;
         float16/bfloat16 leaves are multiplied in float32 and rounded back to their dtype (torch's
         opmath); float64 and complex leaves are multiplied in their own dtype. Python floats become
-        arrays. Integer and bool leaves pass through. A disabled scaler returns ``grads`` unchanged.
+        arrays. Integer and bool leaves pass through, and so does an ``fmp.Float8State`` (the gradient of a
+        delayed-scaling state is its next amax history, in the units the next step's float8 matmuls see:
+        the gradient-side amax is that of the scaled gradient they quantise). A disabled scaler returns
+        ``grads`` unchanged.
 
         Raises:
           TypeError: a leaf is another framework's array (a torch tensor: use ``fmp.torch.GradScaler``).
@@ -459,7 +463,12 @@ class GradScaler:
                 return g * inv.astype(g.dtype)
             return (g.astype(jnp.float32) * inv).astype(g.dtype)
 
-        return jax.tree_util.tree_map_with_path(leaf, grads)
+        # a Float8State's "gradient" is its next amax history, not a gradient: it is not divided by the scale
+        return jax.tree_util.tree_map_with_path(
+            lambda p, g: g if isinstance(g, Float8State) else leaf(p, g),
+            grads,
+            is_leaf=lambda g: isinstance(g, Float8State),
+        )
 
     def update(
         self, finite: jax.typing.ArrayLike | None = None, new_scale: jax.typing.ArrayLike | None = None
