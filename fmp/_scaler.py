@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from fmp._arrays import check_value
 from fmp._core import _scaler_rule
 from fmp._finite import check_flag
+from fmp._fp8._state import Float8State
 from fmp._scaler_checkpoint import ScalerCheckpoint, register_flax
 from fmp._scaler_ops import JaxOps, reciprocal_f64, scale_leaf, unscale_leaf
 
@@ -177,7 +178,10 @@ class GradScaler(ScalerCheckpoint):
         The reciprocal is ``float32(1 / float64(scale))``. float32 leaves are multiplied in float32;
         float16/bfloat16 leaves are multiplied in float32 and rounded back to their dtype (torch's
         opmath); float64 and complex leaves are multiplied in their own dtype. Python floats become
-        arrays. Integer and bool leaves pass through. A disabled scaler returns ``grads`` unchanged.
+        arrays. Integer and bool leaves pass through, and so does an ``fmp.Float8State`` (the gradient of a
+        delayed-scaling state is its next amax history, in the units the next step's float8 matmuls see:
+        the gradient-side amax is that of the scaled gradient they quantise). A disabled scaler returns
+        ``grads`` unchanged.
 
         Raises:
           TypeError: a leaf is another framework's array (a torch tensor: use ``fmp.torch.GradScaler``).
@@ -189,7 +193,12 @@ class GradScaler(ScalerCheckpoint):
         if not self.enabled:
             return grads
         inv = reciprocal_f64(self.loss_scale)
-        return jax.tree_util.tree_map_with_path(lambda p, g: unscale_leaf(p, g, inv), grads)
+        # a Float8State's "gradient" is its next amax history, not a gradient: it is not divided by the scale
+        return jax.tree_util.tree_map_with_path(
+            lambda p, g: g if isinstance(g, Float8State) else unscale_leaf(p, g, inv),
+            grads,
+            is_leaf=lambda g: isinstance(g, Float8State),
+        )
 
     def update(
         self, finite: jax.typing.ArrayLike | None = None, new_scale: jax.typing.ArrayLike | None = None

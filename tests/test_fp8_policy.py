@@ -192,16 +192,20 @@ def test_float8_guide_examples_run(capsys):
     assert "float8:rowwise" in capsys.readouterr().out
 
 
-def test_explain_labels_delayed_sites_and_nested_fallback():
+def test_explain_labels_delayed_sites_only_with_a_state():
     p, x = _params()
+    pol = "p=f32,c=bf16,o=f32,fp8=delayed"
 
     def net(p, x):
-        h = jax.jit(lambda x, w: x @ w)(x, p["w1"])  # inside a jit body: no history row
+        h = jax.jit(lambda x, w: x @ w)(x, p["w1"])  # an inner jit's matmul has its own row
         return h @ jnp.ones((64, 4), F32)
 
-    rep = fmp.explain(net, "p=f32,c=bf16,o=f32,fp8=delayed")(p, x)
-    assert [r.detail for r in rep.records if r.category == "float8"] == ["tensorwise (no state)", "delayed"]
-    assert fmp.float8_state(net)(p, x).amax_history.shape[0] == 1
+    st = fmp.float8_state(net)(p, x)
+    assert st.amax_history.shape[0] == 2
+    rep = fmp.explain(net, pol, fp8_state=st)(p, x)
+    assert [r.detail for r in rep.records if r.category == "float8"] == ["delayed", "delayed"]
+    rep = fmp.explain(net, pol)(p, x)  # without the state, autocast would run current scaling
+    assert [r.detail for r in rep.records if r.category == "float8"] == ["tensorwise (no state)"] * 2
 
 
 def test_sharded_batch_equals_unsharded():

@@ -7,11 +7,12 @@ from typing import Any
 
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
+from fmp._autocast._fp8_checks import check_state
 from fmp._autocast._rows import flops
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet
-from fmp._fp8._state import SiteFeeder
+from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
 
 
@@ -21,6 +22,7 @@ def explain(
     *,
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
+    fp8_state: Float8State | None = None,
 ) -> Callable[..., Report]:
     """Reports the dtype every operation of ``fn`` runs in under `fmp.autocast`.
 
@@ -38,6 +40,8 @@ def explain(
       policy: As for `fmp.autocast`.
       rules: As for `fmp.autocast`.
       overrides: As for `fmp.autocast`.
+      fp8_state: As for `fmp.autocast`: under a delayed float8 policy, the sites are
+        labelled ``delayed`` only with a state (without one they run, and say, ``tensorwise (no state)``).
 
     Examples:
       >>> rep = fmp.explain(lambda x, w: jax.nn.softmax(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))
@@ -49,12 +53,17 @@ def explain(
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
     config = configure(policy, rules, overrides)
+    if fp8_state is not None:
+        check_state(fp8_state, config.policy, config.overrides, str(config.policy))
 
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
         closed, _, _ = trace(fn, args, kwargs)
-        ctx = make_context(config, records=[], fp8_sites=SiteFeeder(None))  # delayed sites as with a state
+        sites = None if fp8_state is None else SiteFeeder(fp8_state)
+        ctx = make_context(config, records=[], fp8_sites=sites)
         rewrite_top(closed, ctx)
+        if sites is not None:
+            sites.finish()
         return Report(records=tuple(ctx.records or ()), policy=str(config.policy), framework="jax")
 
     return run

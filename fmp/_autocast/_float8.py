@@ -25,16 +25,13 @@ def float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: P
     """A float8-category op quantised from its inputs as they come (a float32 parameter from float32).
 
     ``out_dtype`` is the compute dtype (or the op's preferred element type mapped to it); a recipe with
-    ``output="float32"`` overrides it. Delayed scaling takes one history row per top-level ``dot_general``
-    (a loop body would share one row between iterations, so those run tensorwise and say so).
+    ``output="float32"`` overrides it. Delayed scaling takes one history row per ``dot_general`` from the
+    feeder of the body it is in (``_fp8_rows``: a scan body's row is its iteration's).
     """
     recipe = policy.fp8
     if recipe.output == "float32":
         out_dtype = np.dtype(jnp.float32)
-    site = (
-        recipe.scaling == "delayed" and ctx.fp8_sites is not None and bool(ctx.memos) and ctx.memos[-1] is ctx.memos[0]
-    )
-    site = site and eqn.primitive.name == "dot_general"
+    site = recipe.scaling == "delayed" and ctx.fp8_sites is not None and eqn.primitive.name == "dot_general"
     history = ctx.fp8_sites.take(f"{eqn.primitive.name}@{scope}") if site else None
     outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history)]
     if ctx.records is not None:

@@ -25,12 +25,12 @@ from jax.extend.core.primitives import (
     while_p,
 )
 
-from fmp._autocast import _hops_calls, _jax_internals
+from fmp._autocast import _fp8_rows, _hops_calls, _jax_internals
 from fmp._autocast._cast import cast
 from fmp._autocast._context import Context, Handler, aval_of, dtype_name, is_castable, like_avals
 from fmp._autocast._custom_bwd import BWD_AS_WRITTEN, run_bwd
 from fmp._autocast._helpers import helper_call
-from fmp._autocast._interp import bind, eval_jaxpr, transform_closed
+from fmp._autocast._interp import Rows, bind, eval_jaxpr, transform_closed
 from fmp._autocast._provenance import is_inline_call
 from fmp._core import _dtypes as _dtypes_mod
 
@@ -49,8 +49,12 @@ def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     if is_inline_call(eqn):
         return helper_call(eqn, invals, ctx, scope)
     closed: ClosedJaxpr = eqn.params["jaxpr"]
-    new = transform_closed(closed, like_avals(closed.in_avals, invals), ctx, scope)
-    return bind(eqn, invals, dict(eqn.params, jaxpr=new))
+    avals = like_avals(closed.in_avals, invals)
+    ctx, rows, block = _fp8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
+    new = transform_closed(closed, avals, ctx, scope, rows=rows)
+    if block is None:
+        return bind(eqn, invals, dict(eqn.params, jaxpr=new))
+    return bind(eqn, [*invals, block], _jax_internals.jit_params_with_input(dict(eqn.params, jaxpr=new)))
 
 
 # A loop's carry dtypes are found by iteration; each carry can only widen (bfloat16/float16 -> float32), so
@@ -72,6 +76,7 @@ def _loop_body(
     init: list[Any],
     ctx: Context,
     scope: str,
+    rows: Rows | None = None,
 ) -> tuple[ClosedJaxpr, list[Any]]:
     """Rewrites a loop body and finds its carry dtypes: ``(body, carry_avals)``.
 
@@ -80,7 +85,8 @@ def _loop_body(
     another dtype is widened to hold both, until the dtypes stop changing (a
     fixed point). So a value that enters the loop in bfloat16 and that the body
     keeps in bfloat16 stays bfloat16, while a float32 accumulator stays float32.
-    ``before`` / ``after`` are the avals of the body's other inputs (consts, xs).
+    ``before`` / ``after`` are the avals of the body's other inputs (consts, xs);
+    ``rows``: the body's float8 history rows, its last input (``_fp8_rows``).
     """
     mark = None if ctx.records is None else len(ctx.records)
     nk = len(carry_avals)
@@ -93,7 +99,7 @@ def _loop_body(
         if mark is not None and ctx.records is not None:
             del ctx.records[mark:]
         avals = [a if d is None else a.update(dtype=d) for a, d in zip(carry_avals, dts, strict=True)]
-        body = transform_closed(closed, before + avals + after, ctx, scope)
+        body = transform_closed(closed, before + avals + after, ctx, scope, rows=rows)
         outs = body.out_avals[:nk]
         nxt = [d if d is None else _join(d, o.dtype) for d, o in zip(dts, outs, strict=True)]
         if nxt == dts:
@@ -101,7 +107,7 @@ def _loop_body(
         dts = nxt
     else:  # not reached: the join is monotone; fall back to the original program's carry dtypes
         avals = list(carry_avals)
-        body = transform_closed(closed, before + avals + after, ctx, scope)
+        body = transform_closed(closed, before + avals + after, ctx, scope, rows=rows)
     want = [a.dtype if hasattr(a, "dtype") else None for a in avals]
     pinned = want + [None] * (len(closed.out_avals) - nk)
     return _pin_outputs(body, pinned, ctx), avals
@@ -134,9 +140,20 @@ def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     nc, nk = p["num_consts"], p["num_carry"]
     consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
     before, after = like_avals(closed.in_avals[:nc], consts), like_avals(closed.in_avals[nc + nk :], xs)
-    new, carry_avals = _loop_body(closed, before, list(closed.in_avals[nc : nc + nk]), after, carry, ctx, scope)
+    carry_avals = list(closed.in_avals[nc : nc + nk])
+
+    def loop(c: Context, rows: Rows | None = None) -> tuple[ClosedJaxpr, list[Any]]:
+        return _loop_body(closed, before, carry_avals, after, carry, c, scope, rows)
+
+    ctx, rows, block = _fp8_rows.body_rows(ctx, loop, len(closed.in_avals), length=p["length"])
+    new, carry_avals = loop(ctx, rows)
     carry = _pin(carry, carry_avals, ctx)
-    return bind(eqn, consts + carry + xs, dict(p, jaxpr=new))
+    if block is None:
+        return bind(eqn, consts + carry + xs, dict(p, jaxpr=new))
+    params = dict(p, jaxpr=new)
+    if "linear" in p:  # older JAX versions
+        params["linear"] = (*p["linear"], False)
+    return bind(eqn, consts + carry + xs + [block], params)
 
 
 def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
@@ -146,6 +163,12 @@ def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
     before = like_avals(body.in_avals[:nb], bconsts)
+    ctx = _fp8_rows.stateless(
+        ctx,
+        lambda c: _loop_body(body, before, list(body.in_avals[nb:]), [], carry, c, scope),
+        "while_loop",
+        "its trip count is unknown, so it has no history per iteration",
+    )
     new_body, carry_avals = _loop_body(body, before, list(body.in_avals[nb:]), [], carry, ctx, scope)
     carry = _pin(carry, carry_avals, ctx)
     new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, ctx, scope)
@@ -155,7 +178,14 @@ def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
 def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     branches: tuple[ClosedJaxpr, ...] = eqn.params["branches"]
     index, ops = invals[0], invals[1:]
-    new = [transform_closed(b, like_avals(b.in_avals, ops), ctx, scope) for b in branches]
+    rewrites = [functools.partial(_branch, b, like_avals(b.in_avals, ops), scope) for b in branches]
+    ctx, rows, block = _fp8_rows.cond_rows(ctx, rewrites, len(ops))
+    new = [
+        transform_closed(b, like_avals(b.in_avals, ops), ctx, scope, rows=r)
+        for b, r in zip(branches, rows, strict=True)
+    ]
+    if block is not None:
+        ops = [*ops, block]
     outs = [tuple(getattr(a, "dtype", None) for a in b.out_avals) for b in new]
     if len(set(outs)) > 1:  # branches disagree: pin the outputs that differ to the original dtype
         pinned = [None if len({o[i] for o in outs}) == 1 else v.aval.dtype for i, v in enumerate(eqn.outvars)]
@@ -163,10 +193,18 @@ def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     return bind(eqn, [index, *ops], dict(eqn.params, branches=tuple(new)))
 
 
+def _branch(closed: ClosedJaxpr, avals: list[Any], scope: str, ctx: Context) -> ClosedJaxpr:
+    return transform_closed(closed, avals, ctx, scope)
+
+
 def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     p = eqn.params
     closed = ClosedJaxpr(p["jaxpr"], ())
-    new = transform_closed(closed, like_avals(closed.in_avals, invals), ctx, scope)
+    avals = like_avals(closed.in_avals, invals)
+    ctx, rows, block = _fp8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
+    new = transform_closed(closed, avals, ctx, scope, rows=rows)
+    if block is not None:
+        invals = [*invals, block]
     if not new.consts:
         return bind(eqn, invals, dict(p, jaxpr=new.jaxpr))
     fun = jax.checkpoint(jaxpr_as_fun(new), prevent_cse=p["prevent_cse"], policy=p["policy"])
@@ -185,6 +223,13 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
     """
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
     invals = _pin(invals, closed.in_avals, ctx)
+    outs = _dtypes(closed.out_avals)
+    ctx = _fp8_rows.stateless(
+        ctx,
+        lambda c: transform_closed(closed, closed.in_avals, c, scope, outs),
+        "custom_jvp/custom_vjp",
+        "a custom derivative rule has no place for the history's update",
+    )
     new = transform_closed(closed, closed.in_avals, ctx, scope, _dtypes(closed.out_avals))
     params = dict(eqn.params, call_jaxpr=new)
 

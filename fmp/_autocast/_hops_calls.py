@@ -15,7 +15,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
-from fmp._autocast import _jax_internals
+from fmp._autocast import _fp8_rows, _jax_internals
 from fmp._autocast._cast import restore
 from fmp._autocast._context import Context, Handler, like_avals
 from fmp._autocast._interp import bind, transform_closed
@@ -50,14 +50,22 @@ def _linear_solve(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) ->
 def _closed_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     """``closed_call`` (``core.closed_call_p``): the body is rewritten for the current input dtypes."""
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
-    new = transform_closed(closed, like_avals(list(closed.in_avals), invals), ctx, scope)
+    new, invals = _call_body(closed, invals, ctx, scope)
     return bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+
+
+def _call_body(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> tuple[ClosedJaxpr, list[Any]]:
+    """A call's body rewritten for the current input dtypes, and its inputs (plus its float8 history rows)."""
+    avals = like_avals(list(closed.in_avals), invals)
+    ctx, rows, block = _fp8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
+    new = transform_closed(closed, avals, ctx, scope, rows=rows)
+    return new, invals if block is None else [*invals, block]
 
 
 def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     """``call`` (``core.call_p``, an open jaxpr): rewritten like ``closed_call``."""
     closed = ClosedJaxpr(eqn.params["call_jaxpr"], ())
-    new = transform_closed(closed, like_avals(list(closed.in_avals), invals), ctx, scope)
+    new, invals = _call_body(closed, invals, ctx, scope)
     if new.consts:  # a rewrite that created constants: hand them in as a closed call instead
         return bind_closed_call(new, invals)
     return bind(eqn, invals, dict(eqn.params, call_jaxpr=new.jaxpr))

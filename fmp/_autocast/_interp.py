@@ -17,7 +17,7 @@ higher-order primitive, ``_hops``) and ``ctx.leaf`` (every other equation,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax.extend import source_info_util
@@ -124,24 +124,26 @@ def transform_closed(
     prefix: str,
     out_dtypes: Sequence[Any] | None = None,
     hints: tuple[tuple[int, tuple[bool, bool]], ...] = (),
+    rows: Rows | None = None,
 ) -> ClosedJaxpr:
     """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free).
-    ``hints``: see ``eval_jaxpr``.
+    ``hints``: see ``eval_jaxpr``. ``rows``: the body gets one more input, the amax-history rows of its
+    delayed-scaling float8 sites (``Rows``).
 
     Results are memoised on the jaxpr object and the configuration, for
     jaxprs without constants (so no cached entry keeps arrays or tracers
-    alive) and not while recording for explain: JAX reuses jaxpr objects for
+    alive), not while recording for explain nor handing out float8 history rows: JAX reuses jaxpr objects for
     repeated calls (two ``softmax`` calls share one), and handing JAX back the
     same rewritten object lets it reuse its own caches.
     """
     key = None
-    if ctx.records is None and not closed.consts:
+    if ctx.records is None and not closed.consts and ctx.fp8_sites is None and rows is None:
         dts = None if out_dtypes is None else tuple(out_dtypes)
         key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts, hints)
         hit = _CACHE.get(key)
         if hit is not None:
             return hit
-    result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes, hints)
+    result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes, hints, rows)
     if key is not None:
         _CACHE.put(key, result)
     return result
@@ -157,14 +159,30 @@ def _transform_closed(
     prefix: str,
     out_dtypes: Sequence[Any] | None,
     hints: tuple[tuple[int, tuple[bool, bool]], ...] = (),
+    rows: Rows | None = None,
 ) -> ClosedJaxpr:
     def fun(*args: Any) -> list[Any]:
-        outs = eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, prefix, hints=hints)
+        sub = ctx
+        if rows is not None:
+            args = list(args)
+            sub = dataclasses.replace(ctx, fp8_sites=rows.feeder(args.pop(rows.position)))
+        outs = eval_jaxpr(closed.jaxpr, closed.consts, args, sub, prefix, hints=hints)
         if out_dtypes is None:
             return outs
         return [o if d is None else cast(o, d, ctx) for o, d in zip(outs, out_dtypes, strict=True)]
 
+    if rows is not None:
+        in_avals = [*in_avals[: rows.position], rows.aval, *in_avals[rows.position :]]
     return _jax_internals.trace_to_closed_jaxpr(fun, in_avals, "fmp.autocast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """A body input holding the amax-history rows of its float8 sites: where it goes, its aval, its feeder."""
+
+    position: int
+    aval: Any
+    feeder: Callable[[Any], Any]
 
 
 def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

@@ -23,6 +23,7 @@ from jax._src import api_util, core
 from jax._src.core import Primitive
 from jax._src.interpreters import partial_eval as pe
 from jax._src.shard_map import shard_map_p
+from jax._src.sharding_impls import UNSPECIFIED
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core.primitives import closed_call_p, jit_p
 
@@ -90,6 +91,16 @@ def bind_shard_map(args: Sequence[Any], params: dict[str, Any], body: Callable[.
     new_params["subfuns"] = (fun,)
     new_params["debug_info"] = jaxpr.debug_info
     return list(shard_map_p.bind(*args, **new_params))
+
+
+def jit_params_with_input(params: dict[str, Any]) -> dict[str, Any]:
+    """A ``jit`` equation's params for one more (last) input, unsharded and not donated."""
+    return dict(
+        params,
+        in_shardings=(*params["in_shardings"], UNSPECIFIED),
+        in_layouts=(*params["in_layouts"], None),
+        donated_invars=(*params["donated_invars"], False),
+    )
 
 
 def rewrap_rule_thunk(thunk: Any, rewrite: Callable[[ClosedJaxpr], ClosedJaxpr]) -> Any:

@@ -12,6 +12,7 @@ from fmp._autocast._args import graph_nodes, trace, trace_with_graph_state
 from fmp._autocast._checks import check_args, warn_no_effect
 from fmp._autocast._context import REGION_SCOPE
 from fmp._autocast._custom_bwd import BWD_AS_WRITTEN
+from fmp._autocast._fp8_checks import check_state, claim
 from fmp._autocast._transform import configure, make_context, rewrite_top, run_top
 from fmp._core._rules import RuleSet
 from fmp._fp8._state import Float8State, SiteFeeder
@@ -68,21 +69,25 @@ def autocast(
         An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
       fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
         the scales come from (see `fmp.float8_state`). Differentiate with
-        respect to it to get the next state's amax history.
+        respect to it to get the next state's amax history. One state feeds one call.
 
     Returns:
       A function with ``fn``'s signature.
 
     Warns:
       UserWarning: the policy changes nothing in ``fn`` (it computes no float16, bfloat16 or float32
-        value: a float64 model, an integer-only function), or an ``overrides`` key matches no scope.
+        value: a float64 model, an integer-only function), or an ``overrides`` key matches no scope;
+        a delayed float8 policy without ``fp8_state`` (it runs current scaling), or float8 matmuls in a
+        ``while_loop`` or custom-derivative body under delayed scaling (they run current scaling).
 
     Raises:
       TypeError: ``fn`` is not callable (a policy given first, as in
         ``with fmp.autocast("mixed_bfloat16"):``, says to write ``fmp.autocast(fn, policy)``, or
         ``fmp.torch.autocast`` for the context-manager form), or ``rules``/``overrides`` have the wrong
         type; an argument is another framework's array (a torch tensor), which autocast cannot see.
-      ValueError: an unknown policy spec; a banned op under a float16 policy.
+      ValueError: an unknown policy spec; a banned op under a float16 policy; an ``fp8_state`` under a
+        policy without delayed scaling, with another history length, built for another function (other
+        float8 sites), or already used by another call in the same differentiated function.
 
     Examples:
       >>> f = fmp.autocast(lambda x, w: x @ w)
@@ -108,9 +113,9 @@ def autocast(
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled=...) expects a bool, got {type(enabled).__name__}")
     config = configure(policy, rules, overrides)
-    if fp8_state is not None and not isinstance(fp8_state, Float8State):
-        raise TypeError(f"autocast(fp8_state=...) expects an fmp.Float8State, got {type(fp8_state).__name__}")
     label = policy if isinstance(policy, str) else str(config.policy)
+    if enabled:
+        check_state(fp8_state, config.policy, config.overrides, label)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -118,7 +123,10 @@ def autocast(
             with jax.named_scope(REGION_SCOPE):
                 return fn(*args, **kwargs)
         check_args(args, kwargs)
-        sites = None if fp8_state is None else SiteFeeder(fp8_state)
+        sites = None
+        if fp8_state is not None:
+            claim(fp8_state)
+            sites = SiteFeeder(fp8_state)
         ctx = make_context(config, fp8_sites=sites)
         graph = graph_nodes(args, kwargs)
         if graph is not None:
@@ -129,6 +137,8 @@ def autocast(
         warn_no_effect(closed, config.policy, config.overrides, label)
         with jax.named_scope(REGION_SCOPE):
             outs = run_top(closed, arrays, ctx)
+        if sites is not None:
+            sites.finish()
         return finish(outs)
 
     return wrapped
@@ -145,8 +155,11 @@ def float8_state(
 
     Returns a function of ``fn``'s arguments; it traces and rewrites ``fn``
     (nothing is computed) and returns a state with one empty amax history per
-    top-level float8 ``dot_general`` (matmuls inside ``jit``/``scan`` bodies run
-    tensorwise current scaling and have no entry).
+    float8 ``dot_general`` site: one per matmul of the program, in ``jit``,
+    ``checkpoint`` and ``cond`` bodies too (every branch's), and one per matmul
+    and iteration of a ``scan`` body (per layer of a layer-scanned model). A
+    ``while_loop`` or custom-derivative body's matmuls have none (they run
+    current scaling, with a warning).
 
     Examples:
       >>> f = lambda x, w: jnp.tanh(x @ w) @ w.T

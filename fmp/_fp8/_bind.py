@@ -62,8 +62,8 @@ def bind_float8(
 def scaling_label(recipe: Float8Recipe, prim_name: str, has_site: bool) -> str:
     """How a site was scaled, for explain: ``"tensorwise"``, ``"delayed"``, ...
 
-    Convolutions always run tensorwise; a delayed site without a state (nested in
-    a jit/scan body, or no state given) runs tensorwise current scaling.
+    Convolutions always run tensorwise; a delayed site without a state (none given,
+    or in a while_loop or custom-derivative body) runs tensorwise current scaling.
     """
     if prim_name == "conv_general_dilated" and recipe.scaling != "tensorwise":
         return "tensorwise (conv)"

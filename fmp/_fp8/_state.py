@@ -33,11 +33,14 @@ class Float8State:
 
     ``amax_history[i, j, t]`` is site ``i``'s amax ``t`` steps ago for its lhs
     (``j = 0``), rhs (``j = 1``) and output gradient (``j = 2``). Sites are the
-    top-level ``dot_general`` equations of the function in program order;
+    ``dot_general`` equations of the function in program order, those in
+    ``jit``, ``checkpoint`` and ``cond`` bodies included; a ``scan`` body's
+    sites have one row per iteration (``name[0]``, ``name[1]``, ...: per layer of
+    a layer-scanned model), numbered as the unrolled loop would number them.
     ``sites`` names them (primitive and name scope). Build it with
     ``fmp.float8_state``, pass it to ``fmp.autocast(..., fp8_state=state)``
-    inside the loss, differentiate the loss with respect to it, and call
-    ``update`` (or ``fmp.optax.float8_step``) with that gradient.
+    inside the loss (one call per state), differentiate the loss with respect
+    to it, and call ``update`` (or ``fmp.optax.float8_step``) with that gradient.
 
     It is a pytree (``jit``, ``lax.cond``), pickles, and checkpoints with orbax
     or ``flax.serialization`` like any array tree.
@@ -110,32 +113,97 @@ _flax_serialization.register_type(
 
 
 class SiteFeeder:
-    """Hands the interpreter one history row per top-level float8 site, in program order."""
+    """Hands the interpreter one history row per float8 site, in program order.
 
-    def __init__(self, state: Float8State | None) -> None:
+    The top-level feeder reads ``state`` (``None``: it only collects the labels, for
+    ``fmp.float8_state``). A body (``scan``, ``cond``, ``jit``, ``checkpoint``) takes a block
+    of consecutive rows for all its sites at once (``take_block``: a scan body's block has one
+    row per site and iteration, iteration-major, as the unrolled program would number them) and
+    hands them into the body as an input; the body's own feeder (``child``) reads from it.
+    """
+
+    def __init__(
+        self, state: Float8State | None, rows: jax.Array | None = None, expected: tuple[str, ...] | None = None
+    ) -> None:
         self.state = state
+        self.rows = state.amax_history if state is not None else rows
+        self.expected = state.sites if state is not None else expected
         self.labels: list[str] = []
 
-    def take(self, label: str) -> jax.Array | None:
+    def child(self, rows: jax.Array | None, expected: list[str]) -> SiteFeeder:
+        """The feeder of a body whose sites (``expected``) read ``rows`` (a body input)."""
+        return SiteFeeder(None, rows, tuple(expected))
+
+    def take_block(self, labels: list[str]) -> jax.Array | None:
+        """The rows ``[len(labels), 3, history_len]`` of the next sites, named ``labels`` (None: no state)."""
         i = len(self.labels)
-        self.labels.append(label)
-        if self.state is None:
-            return None
-        n = self.state.amax_history.shape[0]
+        for label in labels:
+            self._check(len(self.labels), label)
+            self.labels.append(label)
+        return None if self.rows is None else self.rows[i : i + len(labels)]
+
+    def take(self, label: str) -> jax.Array | None:
+        """The history row ``[3, history_len]`` of the next site (None: no state)."""
+        block = self.take_block([label])
+        return None if block is None else block[0]
+
+    def _check(self, i: int, label: str) -> None:
+        if self.expected is None:
+            return
+        n = len(self.expected)
         if i >= n:
             raise ValueError(
-                f"fp8_state has {n} sites but the function runs more float8 matmuls (site {i}: {label}). "
+                f"fp8_state has {n} float8 sites but the function runs more float8 matmuls (site {i}: {label}). "
                 "Build the state from the same function and arguments with fmp.float8_state."
             )
-        return self.state.amax_history[i]
+        if self.expected[i] != label:
+            raise ValueError(
+                f"fp8_state belongs to another function: its site {i} is {self.expected[i]!r}, this function's "
+                f"is {label!r}. Build the state from the same function and arguments with fmp.float8_state."
+            )
+
+    def finish(self) -> None:
+        """Raises if the function ran fewer float8 sites than the state has."""
+        if self.expected is not None and len(self.labels) < len(self.expected):
+            raise ValueError(
+                f"fp8_state has {len(self.expected)} float8 sites but the function runs {len(self.labels)} "
+                f"(the first without a match: {self.expected[len(self.labels)]!r}). Build the state from the same "
+                "function and arguments with fmp.float8_state."
+            )
 
 
-def _current_or_history(x: jax.Array, hist_row: jax.Array, dtype: Any, recipe: Float8Recipe) -> jax.Array:
-    now = jnp.max(jnp.abs(x.astype(_F32)))
+def _current_or_history(x: jax.Array, hist_row: jax.Array, dtype: Any, recipe: Float8Recipe, mapped: tuple):
+    now = _global_max(jnp.max(jnp.abs(x.astype(_F32))), mapped)
     past = jnp.max(hist_row)
     amax = jnp.where(past > 0, past, now)
     scale = _quant.scale_from_amax(amax, dtype, pow2=recipe.pow2_scales, margin=recipe.margin)
     return _quant.keep_non_finite(scale, now), now  # an inf operand is not saturated by a past scale
+
+
+def mapped_axes() -> tuple:
+    """``(axes, checked)``: the manual mesh axes being traced over (inside ``shard_map``) and whether JAX tracks
+    which values vary over them (``check_vma``); ``()`` outside ``shard_map``."""
+    axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    if not axes:
+        return ()
+    return axes, bool(_varying(jax.lax.axis_index(axes)))
+
+
+def _varying(v: jax.Array) -> frozenset:
+    """The manual axes ``v`` varies over (empty where JAX does not track them: ``check_vma=False``)."""
+    aval = jax.typeof(v)
+    mat = getattr(aval, "mat", None)  # JAX 0.10; older versions call it ``vma``
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _global_max(v: jax.Array, mapped: tuple) -> jax.Array:
+    """``v`` reduced by max over the mapped axes: every shard takes the same scale from the global amax."""
+    if not mapped:
+        return v
+    axes, checked = mapped
+    if checked:  # only the axes v varies over (the result is then invariant, like the history it goes into)
+        axes = tuple(a for a in axes if a in _varying(v))
+    return jax.lax.pmax(v, axes) if axes else v
 
 
 def _qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
@@ -147,27 +215,31 @@ def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _delayed_matmul(a, b, hist, recipe, out_dtype):
-    sa, _ = _current_or_history(a, hist[0], _quant.E4M3, recipe)
-    sb, _ = _current_or_history(b, hist[1], _quant.E4M3, recipe)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _delayed_matmul(a, b, hist, recipe, out_dtype, mapped):
+    sa, _ = _current_or_history(a, hist[0], _quant.E4M3, recipe, mapped)
+    sb, _ = _current_or_history(b, hist[1], _quant.E4M3, recipe, mapped)
     return _mm(_qdq(a, sa, _quant.E4M3), _qdq(b, sb, _quant.E4M3)).astype(out_dtype)
 
 
-def _delayed_fwd(a, b, hist, recipe, out_dtype):
-    sa, amax_a = _current_or_history(a, hist[0], _quant.E4M3, recipe)
-    sb, amax_b = _current_or_history(b, hist[1], _quant.E4M3, recipe)
+def _delayed_fwd(a, b, hist, recipe, out_dtype, mapped):
+    sa, amax_a = _current_or_history(a, hist[0], _quant.E4M3, recipe, mapped)
+    sb, amax_b = _current_or_history(b, hist[1], _quant.E4M3, recipe, mapped)
     out = _mm(_qdq(a, sa, _quant.E4M3), _qdq(b, sb, _quant.E4M3)).astype(out_dtype)
     return out, (a, b, hist, sa, sb, amax_a, amax_b)
 
 
-def _delayed_bwd(recipe, out_dtype, res, g):
+def _delayed_bwd(recipe, out_dtype, mapped, res, g):
     a, b, hist, sa, sb, amax_a, amax_b = res
-    sg, amax_g = _current_or_history(g, hist[2], _quant.E5M2, recipe)
+    sg, amax_g = _current_or_history(g, hist[2], _quant.E5M2, recipe, mapped)
     qg = _qdq(g, sg, _quant.E5M2)
     da = _mm(qg, jnp.swapaxes(_qdq(b, sb, _quant.E4M3), 1, 2))
     db = _mm(jnp.swapaxes(_qdq(a, sa, _quant.E4M3), 1, 2), qg)
     new = jnp.roll(hist, 1, axis=-1).at[:, 0].set(jnp.stack([amax_a, amax_b, amax_g]))
+    if mapped and not mapped[1]:
+        # unchecked shard_map sums a replicated input's cotangent over the shards: one shard returns it
+        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(ax) == 0 for ax in mapped[0]])
+        new = jnp.where(first, new, jnp.zeros_like(new))
     return da.astype(a.dtype), db.astype(b.dtype), new
 
 
@@ -177,8 +249,12 @@ _delayed_matmul.defvjp(_delayed_fwd, _delayed_bwd)
 def delayed_dot_general(
     lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, history: jax.Array, recipe: Float8Recipe, out_dtype: Any
 ) -> jax.Array:
-    """``dot_general`` in float8 with per-tensor scales from ``history`` (``[3, history_len]``)."""
+    """``dot_general`` in float8 with per-tensor scales from ``history`` (``[3, history_len]``).
+
+    Inside ``shard_map`` every amax is the global one (a max-reduction over the mapped axes), so every
+    shard takes the same scales and records the same history, with ``check_vma`` on or off.
+    """
     lperm, rperm, ashape, bshape, oshape = _dot.canonical(lhs.shape, rhs.shape, dimension_numbers)
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)
-    return _delayed_matmul(a, b, history, recipe, jnp.dtype(out_dtype)).reshape(oshape)
+    return _delayed_matmul(a, b, history, recipe, jnp.dtype(out_dtype), mapped_axes()).reshape(oshape)
