@@ -107,34 +107,44 @@ def _torchao_linear(name, x, w, g, dtype):
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(name), emulate=True)
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    x, w, g = (torch.from_numpy(np.array(v, np.float32)) for v in (x, w, g))  # writable float32 copies
     lin = torch.nn.Sequential(torch.nn.Linear(x.shape[1], w.shape[0], bias=False))
     with torch.no_grad():
-        lin[0].weight.copy_(torch.from_numpy(w))
+        lin[0].weight.copy_(w)
     model = convert_to_float8_training(lin.to(tdt), config=config)
-    xt = torch.from_numpy(x).to(tdt).requires_grad_()
+    xt = x.to(tdt).requires_grad_()
     y = model(xt)
-    y.backward(torch.from_numpy(g).to(tdt))
+    y.backward(g.to(tdt))
     to_np = lambda t: t.detach().float().numpy()  # noqa: E731
     return to_np(y), to_np(xt.grad), to_np(model[0].weight.grad)
 
 
 def _fmp_linear(recipe, x, w, g, dtype):
-    """fmp's float8 ``x @ w.T`` through autocast (float32 inputs and results; ``dtype``: the compute dtype)."""
-    policy = fmp.Policy("f32", dtype, "f32", fp8=dataclasses.replace(recipe, output="float32"))
-    y, vjp = jax.vjp(fmp.autocast(lambda a, b: a @ b.T, policy), jnp.asarray(x), jnp.asarray(w))
-    dx, dw = vjp(jnp.asarray(g))
-    return np.asarray(y), np.asarray(dx), np.asarray(dw)
+    """fmp's float8 ``x @ w.T`` through autocast: float32 inputs and results, or bfloat16 ones."""
+    if dtype == "float32":
+        policy = fmp.Policy("f32", "bf16", "f32", fp8=dataclasses.replace(recipe, output="float32"))
+    else:
+        policy = fmp.Policy("bf16", "bf16", "bf16", fp8=recipe)
+    args = (jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    y, vjp = jax.vjp(fmp.autocast(lambda a, b: a @ b.T, policy), *args)
+    dx, dw = vjp(jnp.asarray(g, dtype))
+    assert y.dtype == dx.dtype == dw.dtype == jnp.dtype(dtype)
+    return tuple(np.asarray(v.astype(F32)) for v in (y, dx, dw))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_torchao_rowwise_equals_torchao_bit_for_bit(seed):
-    x, w, g = _data(seed)
-    ours = _fmp_linear(fmp.Float8Recipe.from_peer("torchao_rowwise"), x, w, g, "float32")
-    theirs = _torchao_linear("rowwise", x, w, g, "float32")
+def _bf16_exact(*arrays):
+    return tuple(np.asarray(jnp.asarray(v, jnp.bfloat16).astype(F32)) for v in arrays)
+
+
+@pytest.mark.parametrize(("seed", "dtype"), [(0, "float32"), (1, "float32"), (0, "bfloat16")])
+def test_torchao_rowwise_equals_torchao_bit_for_bit(seed, dtype):
+    x, w, g = _data(seed) if dtype == "float32" else _bf16_exact(*_data(seed))
+    ours = _fmp_linear(fmp.Float8Recipe.from_peer("torchao_rowwise"), x, w, g, dtype)
+    theirs = _torchao_linear("rowwise", x, w, g, dtype)
     for name, a, b in zip(("forward", "dx", "dw"), ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b, err_msg=name)
     # with e5m2 gradients (fmp's default) the backward differs: the gradient format is what the option changes
-    e5m2 = _fmp_linear(fmp.Float8Recipe("rowwise"), x, w, g, "float32")
+    e5m2 = _fmp_linear(fmp.Float8Recipe("rowwise"), x, w, g, dtype)
     assert not np.array_equal(e5m2[2], theirs[2])
 
 
@@ -215,3 +225,11 @@ def test_te_delayed_scales_follow_the_delayed_scaling_formula(algo, margin):
         for j, v in enumerate((x, w, g)):
             past[j].append(np.float32(np.max(np.abs(v))))
         np.testing.assert_array_equal(np.asarray(hist[:, 0]), [past[j][-1] for j in range(3)])
+
+
+@pytest.mark.parametrize(("algo", "expected"), [("max", 448.0 / 4.0), ("most_recent", 448.0 / 2.0)])
+def test_float8_state_scales_follow_amax_compute_algo(algo, expected):
+    recipe = fmp.Float8Recipe("delayed", history_len=3, pow2_scales=False, amax_compute_algo=algo)
+    st = fmp.Float8State.zeros(["a"], recipe)
+    st = dataclasses.replace(st, amax_history=st.amax_history.at[0, 0].set(jnp.asarray([2.0, 4.0, 1.0])))
+    assert float(st.scales()[0, 0]) == expected  # newest first: 2 is the last step's amax, 4 the largest
