@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,9 +53,7 @@ def bind_float8(
     dims = params["dimension_numbers"]
     if recipe.scaling == "delayed":
         if history is None:
-            return _dot.fp8_dot_general(
-                lhs, rhs, dims, Float8Recipe("tensorwise", pow2_scales=recipe.pow2_scales), out_dtype
-            )
+            return _dot.fp8_dot_general(lhs, rhs, dims, dataclasses.replace(recipe, scaling="tensorwise"), out_dtype)
         return _state.delayed_dot_general(lhs, rhs, dims, history, recipe, out_dtype)
     return _dot.fp8_dot_general(lhs, rhs, dims, recipe, out_dtype)
 

@@ -1,4 +1,4 @@
-"""Float8 matmuls and convolutions with a ``custom_vjp``: e4m3 forward, e5m2 output gradient.
+"""Float8 matmuls and convolutions with a ``custom_vjp``: e4m3 forward, e5m2 (or e4m3) output gradient.
 
 Any ``dot_general`` is brought to a batched matmul ``a[b, m, k] @ b[b, k, n]``
 (transposes and reshapes JAX differentiates by itself); ``fp8_matmul`` then
@@ -6,10 +6,11 @@ quantises both operands, multiplies the dequantised float32 values (the
 quantise -> convert -> scale -> dot pattern XLA's GPU backend fuses into an fp8
 GEMM; on CPU it is emulated exactly) and casts the product to the output dtype.
 Its backward recomputes the quantisation of the saved operands for the new
-contraction and quantises the output gradient to ``float8_e5m2`` for both
-products: ``da = g @ b^T`` and ``db = a^T @ g``. Block-wise, activations and
-gradients get ``1 x 128`` tiles along each product's contraction and weights
-``128 x 128`` blocks, as DeepSeek-V3 trains.
+contraction and quantises the output gradient to the recipe's ``grad_dtype``
+(``float8_e5m2`` by default) for both products: ``da = g @ b^T`` and
+``db = a^T @ g``. Block-wise, activations and gradients get ``1 x 128`` tiles
+along each product's contraction and weights ``128 x 128`` blocks, DeepSeek-V3's
+tiling (whose gradients are e4m3: ``grad_dtype="float8_e4m3fn"``).
 """
 
 from __future__ import annotations
@@ -52,20 +53,22 @@ def _forward(a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, o
     return _product(a, b, _quant.E4M3, _quant.E4M3, scaling, block, pow2).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def fp8_matmul(a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any) -> jax.Array:
-    """``a[b, m, k] @ b[b, k, n]`` with float8 operands, result in ``out_dtype``."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def fp8_matmul(
+    a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any, grad_dtype: Any
+) -> jax.Array:
+    """``a[b, m, k] @ b[b, k, n]`` with float8 operands, result in ``out_dtype``; gradient in ``grad_dtype``."""
     return _forward(a, b, scaling, block, pow2, out_dtype)
 
 
-def _fwd(a, b, scaling, block, pow2, out_dtype):  # the product itself, not a nested custom_vjp call
+def _fwd(a, b, scaling, block, pow2, out_dtype, grad_dtype):  # the product itself, not a nested custom_vjp call
     return _forward(a, b, scaling, block, pow2, out_dtype), (a, b)
 
 
-def _bwd(scaling, block, pow2, out_dtype, res, g):
+def _bwd(scaling, block, pow2, out_dtype, grad_dtype, res, g):
     a, b = res
-    da = _product(g, _swap(b), _quant.E5M2, _quant.E4M3, scaling, block, pow2)
-    db = _product(_swap(a), g, _quant.E4M3, _quant.E5M2, scaling, block, pow2, b_tiles=True)
+    da = _product(g, _swap(b), grad_dtype, _quant.E4M3, scaling, block, pow2)
+    db = _product(_swap(a), g, _quant.E4M3, grad_dtype, scaling, block, pow2, b_tiles=True)
     return da.astype(a.dtype), db.astype(b.dtype)
 
 
@@ -117,7 +120,9 @@ def fp8_dot_general(
     lperm, rperm, ashape, bshape, oshape = canonical(lhs.shape, rhs.shape, dimension_numbers)
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)
-    out = fp8_matmul(a, b, recipe.scaling, recipe.block_size, recipe.pow2_scales, jnp.dtype(out_dtype))
+    out = fp8_matmul(
+        a, b, recipe.scaling, recipe.block_size, recipe.pow2_scales, jnp.dtype(out_dtype), jnp.dtype(recipe.grad_dtype)
+    )
     return out.reshape(oshape)
 
 
@@ -131,13 +136,13 @@ def _mx_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: A
 def fp8_conv(
     conv: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, w: jax.Array, recipe: Float8Recipe, out_dtype: Any
 ) -> jax.Array:
-    """``conv(x, w)`` with tensorwise float8 operands (e4m3) and output gradient (e5m2).
+    """``conv(x, w)`` with tensorwise float8 operands (e4m3) and output gradient (the recipe's ``grad_dtype``).
 
     ``conv`` must compute in float32 (``preferred_element_type=float32``). Every
     recipe quantises convolutions per tensor (a convolution has no single
     contraction axis to tile).
     """
-    return _conv(conv, recipe.pow2_scales, jnp.dtype(out_dtype), x, w)
+    return _conv(conv, recipe.pow2_scales, jnp.dtype(out_dtype), jnp.dtype(recipe.grad_dtype), x, w)
 
 
 def _qdq_tensor(x: jax.Array, dtype: Any, pow2: bool) -> jax.Array:
@@ -149,20 +154,20 @@ def _conv_forward(conv, pow2, out_dtype, x, w):
     return conv(_qdq_tensor(x, _quant.E4M3, pow2), _qdq_tensor(w, _quant.E4M3, pow2)).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _conv(conv, pow2, out_dtype, x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _conv(conv, pow2, out_dtype, grad_dtype, x, w):
     return _conv_forward(conv, pow2, out_dtype, x, w)
 
 
-def _conv_fwd(conv, pow2, out_dtype, x, w):
+def _conv_fwd(conv, pow2, out_dtype, grad_dtype, x, w):
     return _conv_forward(conv, pow2, out_dtype, x, w), (x, w)
 
 
-def _conv_bwd(conv, pow2, out_dtype, res, g):
+def _conv_bwd(conv, pow2, out_dtype, grad_dtype, res, g):
     x, w = res
     qx, qw = _qdq_tensor(x, _quant.E4M3, pow2), _qdq_tensor(w, _quant.E4M3, pow2)
     _, vjp = jax.vjp(conv, qx, qw)
-    dx, dw = vjp(_qdq_tensor(g, _quant.E5M2, pow2))
+    dx, dw = vjp(_qdq_tensor(g, grad_dtype, pow2))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

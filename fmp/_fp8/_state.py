@@ -76,8 +76,8 @@ class Float8State:
 
     def scales(self) -> jax.Array:
         """The current scales ``[sites, 3]`` (lhs, rhs, gradient); 1 where the history is empty."""
-        amax = jnp.max(self.amax_history, axis=-1)
-        kinds = (_quant.E4M3, _quant.E4M3, _quant.E5M2)
+        amax = history_amax(self.amax_history, self.recipe)
+        kinds = (_quant.E4M3, _quant.E4M3, jnp.dtype(self.recipe.grad_dtype))
         return jnp.stack(
             [
                 _quant.scale_from_amax(amax[:, j], d, pow2=self.recipe.pow2_scales, margin=self.recipe.margin)
@@ -172,9 +172,16 @@ class SiteFeeder:
             )
 
 
+def history_amax(history: jax.Array, recipe: Float8Recipe) -> jax.Array:
+    """The amax a delayed scale comes from (last axis: steps, newest first): their max or the newest one."""
+    if recipe.amax_compute_algo == "most_recent":
+        return history[..., 0]
+    return jnp.max(history, axis=-1)
+
+
 def _current_or_history(x: jax.Array, hist_row: jax.Array, dtype: Any, recipe: Float8Recipe, mapped: tuple):
     now = _global_max(jnp.max(jnp.abs(x.astype(_F32))), mapped)
-    past = jnp.max(hist_row)
+    past = history_amax(hist_row, recipe)
     amax = jnp.where(past > 0, past, now)
     scale = _quant.scale_from_amax(amax, dtype, pow2=recipe.pow2_scales, margin=recipe.margin)
     return _quant.keep_non_finite(scale, now), now  # an inf operand is not saturated by a past scale
@@ -231,8 +238,9 @@ def _delayed_fwd(a, b, hist, recipe, out_dtype, mapped):
 
 def _delayed_bwd(recipe, out_dtype, mapped, res, g):
     a, b, hist, sa, sb, amax_a, amax_b = res
-    sg, amax_g = _current_or_history(g, hist[2], _quant.E5M2, recipe, mapped)
-    qg = _qdq(g, sg, _quant.E5M2)
+    gdt = jnp.dtype(recipe.grad_dtype)
+    sg, amax_g = _current_or_history(g, hist[2], gdt, recipe, mapped)
+    qg = _qdq(g, sg, gdt)
     da = _mm(qg, jnp.swapaxes(_qdq(b, sb, _quant.E4M3), 1, 2))
     db = _mm(jnp.swapaxes(_qdq(a, sa, _quant.E4M3), 1, 2), qg)
     new = jnp.roll(hist, 1, axis=-1).at[:, 0].set(jnp.stack([amax_a, amax_b, amax_g]))
