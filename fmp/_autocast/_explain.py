@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fmp._autocast import _compare
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
 from fmp._autocast._rows import flops
@@ -21,6 +22,7 @@ def explain(
     *,
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
+    compare: bool = False,
 ) -> Callable[..., Report]:
     """Reports the dtype every operation of ``fn`` runs in under [`fmp.autocast`][fmp.autocast].
 
@@ -33,11 +35,29 @@ def explain(
     returns plain data; ``report.summary`` holds the low-precision FLOP share,
     the casts inserted and the float32 islands.
 
+    With ``compare=True`` the function also runs: once as written and once
+    under the policy, on the given inputs, equation by equation, and every
+    row gets the error of its outputs against the program as written
+    (``error``, ``sqnr_db``, ``max_abs_error``, ``nonfinite``, ``flips``),
+    the error the op adds by itself (``added_error``: the op in the policy's
+    dtypes on the reference inputs) and, where that is far above the dtype's
+    unit roundoff, overflows or changes discrete outputs, a ``suggestion``:
+    code to paste that runs it in float32. ``report.worst(k)`` lists the
+    culprits and ``print(report)`` starts with them. The reference is the
+    program in the dtypes it was written in (float64 only where it says so).
+    Loops, ``cond`` and ``shard_map`` bodies are not compared yet (a
+    ``NotImplementedError`` says so).
+
     Args:
       fn: The function to inspect.
       policy: As for [`fmp.autocast`][fmp.autocast].
       rules: As for [`fmp.autocast`][fmp.autocast].
       overrides: As for [`fmp.autocast`][fmp.autocast].
+      compare: Run the program and compare every op with the program as written.
+
+    Raises:
+      TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``).
+      NotImplementedError: ``compare=True`` on a loop, ``cond`` or ``shard_map`` body.
 
     Examples:
       >>> rep = fmp.explain(lambda x, w: jax.nn.softmax(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))
@@ -45,17 +65,28 @@ def explain(
       [('dot_general', ('bfloat16',)), ('exp', ('float32',))]
       >>> rep.summary["low_precision_flop_share"]
       1.0
+      >>> rules = fmp.DEFAULT_RULES.derive(lower_precision=["exp"])
+      >>> x = jnp.linspace(0.0, 80.0, 64)
+      >>> rep = fmp.explain(lambda x: jnp.exp(x).sum(), rules=rules, compare=True)(x)
+      >>> top = rep.worst(1)[0]
+      >>> top.op, top.added_error > 1e-3, top.suggestion
+      ('exp', True, 'rules=rules.derive(float32=["exp"])')
     """
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
     config = configure(policy, rules, overrides)
+    if not isinstance(compare, bool):
+        raise TypeError(f"explain(compare=...) expects True or False, got {compare!r}")
 
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
-        closed, _, _ = trace(fn, args, kwargs)
+        closed, arrays, _ = trace(fn, args, kwargs)
         ctx = make_context(config, records=[], fp8_sites=SiteFeeder(None))  # delayed sites as with a state
-        rewrite_top(closed, ctx)
-        return Report(records=tuple(ctx.records or ()), policy=str(config.policy), framework="jax")
+        if compare:
+            _compare.run(closed, arrays, ctx)
+        else:
+            rewrite_top(closed, ctx)
+        return Report(tuple(ctx.records or ()), policy=str(config.policy), framework="jax", compared=compare)
 
     return run
 
