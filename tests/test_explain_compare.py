@@ -2,6 +2,7 @@
 
 import functools
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -171,3 +172,25 @@ def test_comparison_flags_only_policy_nonfinite():
     f = functools.partial(jnp.multiply, jnp.inf)
     rep = fmp.explain(lambda x: f(x) + 1.0, compare=True)(X)
     assert not any(r.nonfinite for r in rep.records)
+
+
+def test_debugging_guide_example_runs():
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "debugging.md").read_text()
+    section = page.split("## Where is precision lost?", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "debugging.md", "exec"), {"__name__": "docs"})  # noqa: S102
+
+
+def test_statistics_agree_in_numpy_and_compiled():
+    from fmp._autocast import _compare_stats as cs
+
+    r = jax.random.normal(K[0], (1 << 17,)) * 1e20  # squares beyond float32: the sums are scaled
+    p = (r * (1 + 1e-3 * jax.random.normal(K[1], r.shape))).at[5].set(jnp.inf).at[6].set(jnp.nan)
+    r = r.at[6].set(jnp.nan)  # a NaN in both runs is no difference
+    for a, b in [(p, r), (p.at[5].set(r[5]), r)]:
+        dev = [float(x) for x in cs._float_stats(a, b, jnp.float32)]
+        host = [float(x) for x in cs._float_stats_np(a, b, jnp.float32)]
+        assert dev == pytest.approx(host, rel=1e-4)
+    err, _, _, nonfinite, _ = cs.output_stats([p.at[5].set(r[5])], [r])
+    assert not nonfinite and err == pytest.approx(1e-3, rel=0.05)
+    assert cs.output_stats([p], [r])[3] and cs.output_stats([p], [r])[0] == math.inf

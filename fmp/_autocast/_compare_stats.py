@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fmp._core._report import LOW, OpRecord
@@ -45,28 +48,24 @@ def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> tuple[Any, Any, An
     ``error`` is the relative L2 error over all floating outputs (``None`` when
     there are none); ``nonfinite`` says an inf/NaN appeared where the reference
     is finite (then ``error`` is inf); ``flips`` counts changed integer and
-    boolean elements. Computed in float64.
+    boolean elements. Sums of squares are scaled, so no value overflows them.
     """
     signal = noise = max_abs = 0.0
     compared, nonfinite, flips = False, False, 0
-    with np.errstate(all="ignore"):
-        for p, r in zip(outs, refs, strict=True):
-            kind = _kind(r)
-            if kind == "discrete":
-                flips += int(np.count_nonzero(np.asarray(p) != np.asarray(r)))
-            if kind != "float" or _kind(p) != "float":
-                continue
-            compared = True
-            p64 = np.asarray(p).astype(np.float64)
-            r64 = np.asarray(r).astype(np.float64)
-            same = (p64 == r64) | (np.isnan(p64) & np.isnan(r64))
-            diff = np.where(same, 0.0, p64 - r64)
-            finite = np.isfinite(r64)
-            nonfinite |= bool(np.any(~np.isfinite(p64) & finite))
-            signal += float(np.sum(np.square(np.where(finite, r64, 0.0))))
-            bad = ~np.isfinite(diff)
-            noise += math.inf if bool(np.any(bad)) else float(np.sum(np.square(diff)))
-            max_abs = max(max_abs, math.inf if bool(np.any(bad)) else float(np.max(np.abs(diff), initial=0.0)))
+    for p, r in zip(outs, refs, strict=True):
+        kind = _kind(r)
+        if kind == "discrete":
+            flips += int(np.count_nonzero(np.asarray(p) != np.asarray(r)))
+        if kind != "float" or _kind(p) != "float":
+            continue
+        compared = True
+        wide = jnp.float64 if "float64" in (np.dtype(p.dtype).name, np.dtype(r.dtype).name) else jnp.float32
+        parts = _float_stats(p, r, wide) if np.size(r) >= _ON_DEVICE else _float_stats_np(p, r, wide)
+        r_max, r_sq, d_max, d_sq, bad, over = (float(x) for x in parts)
+        nonfinite |= bool(over)
+        signal += r_max * r_max * r_sq
+        noise += math.inf if bad else d_max * d_max * d_sq
+        max_abs = max(max_abs, math.inf if bad else d_max)
     if not compared:
         return None, None, None, False, flips
     if noise == 0.0:
@@ -74,6 +73,34 @@ def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> tuple[Any, Any, An
     error = math.sqrt(noise / signal) if signal > 0.0 else math.inf
     sqnr = 10.0 * math.log10(signal / noise) if signal > 0.0 and math.isfinite(noise) else -math.inf
     return error, sqnr, max_abs, nonfinite, flips
+
+
+_ON_DEVICE = 1 << 16  # elements from which the statistics run compiled, not in NumPy
+
+
+def _parts(xp: Any, p: Any, r: Any) -> tuple[Any, ...]:
+    """Largest |reference| and sum of squares scaled by it, the same of the difference, any non-finite
+    difference, any non-finite value where the reference is finite (``xp``: ``numpy`` or ``jax.numpy``)."""
+    same = (p == r) | (xp.isnan(p) & xp.isnan(r))
+    diff = xp.where(same, 0.0, p - r)
+    finite = xp.isfinite(r)
+    ok = xp.isfinite(diff)
+    r0 = xp.abs(xp.where(finite, r, 0.0))
+    d0 = xp.abs(xp.where(ok, diff, 0.0))
+    r_max, d_max = xp.max(r0, initial=0.0), xp.max(d0, initial=0.0)
+    r_sq = xp.sum(xp.square(r0 / xp.where(r_max > 0, r_max, 1.0)))
+    d_sq = xp.sum(xp.square(d0 / xp.where(d_max > 0, d_max, 1.0)))
+    return r_max, r_sq, d_max, d_sq, xp.any(~ok), xp.any(~xp.isfinite(p) & finite)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _float_stats(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
+    return _parts(jnp, p.astype(wide), r.astype(wide))
+
+
+def _float_stats_np(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
+    with np.errstate(all="ignore"):
+        return _parts(np, np.asarray(p).astype(np.float64), np.asarray(r).astype(np.float64))
 
 
 def unit_roundoff(row: OpRecord) -> float:
