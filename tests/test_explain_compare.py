@@ -62,11 +62,29 @@ def test_inherited_error_is_not_added_error():
     assert total.added_error == 0.0  # a float32 sum of the policy's values adds nothing by itself
 
 
-def test_nested_jit_and_custom_jvp_bodies_are_compared():
-    inner = jax.jit(lambda x, w: jax.nn.relu(x @ w))
-    rep = fmp.explain(lambda x, w: inner(x, w).sum(), compare=True)(X, W)
+@jax.custom_vjp
+def _sin_mm(x, w):
+    return jnp.sin(x @ w)
+
+
+_sin_mm.defvjp(lambda x, w: (_sin_mm(x, w), (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+BODIES = {
+    "jit": jax.jit(lambda x, w: jax.nn.relu(x @ w)),
+    "checkpoint": jax.checkpoint(lambda x, w: jnp.tanh(x @ w)),
+    "custom_jvp": lambda x, w: jax.nn.gelu(x @ w),
+    "custom_vjp": _sin_mm,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_nested_bodies_are_compared(name):
+    body = BODIES[name]
+    rep = fmp.explain(lambda x, w: body(x, w).sum(), compare=True)(X, W)
     (mm,) = [r for r in rep.records if r.op == "dot_general"]
     assert 0 < mm.added_error < 2**-8
+    exact = fmp.explain(lambda x, w: body(x, w).sum(), "float32", compare=True)(X, W)
+    assert all(r.error == 0.0 for r in exact.records if r.error is not None)
 
 
 @pytest.mark.parametrize("op", ["while", "cond"])

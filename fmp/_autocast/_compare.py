@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+from jax.extend.core.primitives import closed_call_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p
 
 from fmp._autocast import _hops_calls, _jax_internals
 from fmp._autocast._cast import cast
@@ -167,21 +168,20 @@ def _refused(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list
 def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
     """The rewrite's handlers with every body evaluated on values (or refused, where not yet compared)."""
     prims = _jax_internals.primitives_by_name()
-    evaluated: dict[str, Callable[..., list[Any]]] = {
-        "pjit": _jit,
-        "jit": _jit,
-        "checkpoint": _remat,
-        "remat": _remat,
-        "closed_call": _closed_call,
-        "call": _closed_call,
-        "custom_jvp_call": _custom,
-        "custom_vjp_call": _custom,
+    evaluated: dict[Any, Callable[..., list[Any]]] = {
+        jit_p: _jit,
+        remat_p: _remat,
+        closed_call_p: _closed_call,
+        custom_jvp_call_p: _custom,
+        custom_vjp_call_p: _custom,
     }
+    if "call" in prims:
+        evaluated[prims["call"]] = _closed_call
     kept = {prims[n] for n in (*_hops_calls.REFUSED, *_hops_calls.AS_WRITTEN) if n in prims}
     out: dict[Any, Handler] = {}
     for prim, handler in handlers.items():
-        if prim.name in evaluated:
-            out[prim] = evaluated[prim.name]
+        if prim in evaluated:
+            out[prim] = evaluated[prim]
         else:
             out[prim] = handler if prim in kept else _refused
     return out
