@@ -87,11 +87,33 @@ def test_nested_bodies_are_compared(name):
     assert all(r.error == 0.0 for r in exact.records if r.error is not None)
 
 
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_rows_are_aggregated_over_iterations(reverse):
+    xs = jax.random.normal(K[2], (5, 16, 32))
+
+    def rnn(xs, w):
+        def step(h, x):
+            h = jnp.tanh(x + h @ w)
+            return h, h.mean()
+
+        h, ys = jax.lax.scan(step, jnp.zeros((16, 32)), xs, reverse=reverse)
+        return h.sum() + ys.sum()
+
+    rep = fmp.explain(rnn, compare=True)(xs, W)
+    plain = fmp.explain(rnn)(xs, W)
+    assert [(r.op, r.category) for r in rep.records] == [(r.op, r.category) for r in plain.records]
+    (mm,) = [r for r in rep.records if r.op == "dot_general"]
+    assert mm.iterations == 5 and 0 < mm.added_error_mean <= mm.added_error < 2**-8
+    assert mm.error_mean <= mm.error
+    exact = fmp.explain(rnn, "float32", compare=True)(xs, W)
+    assert all(r.error == 0.0 for r in exact.records if r.error is not None)
+
+
 @pytest.mark.parametrize("op", ["while", "cond"])
-def test_loops_are_refused_not_misreported(op):
+def test_other_bodies_are_refused_not_misreported(op):
     def f(x):
         if op == "while":
-            return jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ W), x)
+            return jax.lax.while_loop(lambda c: c.sum() < 1e3, lambda c: jnp.tanh(c @ W) + 1.0, x)
         return jax.lax.cond(x.sum() > 0, jnp.tanh, jnp.sin, x)
 
     with pytest.raises(NotImplementedError, match="compare=True"):
@@ -145,6 +167,26 @@ def test_a_bfloat16_sum_reports_its_rounding_honestly():
     assert row.added_error == pytest.approx(abs(got - float(jnp.sum(x))) / abs(float(jnp.sum(x))), rel=1e-6)
     assert row.added_error < 2**-8 and row.suggestion is None
     assert abs(got - want) / want < 2**-8
+
+
+def test_sum_accumulated_in_bfloat16_by_a_scan_shows_the_growing_error():
+    # 10^5 values summed by a scan whose add the rule table runs in bfloat16: the carry is rounded each step.
+    # Each step's add adds one rounding (its added error stays at roundoff); the carry's error grows with
+    # the iterations, which the row's worst and mean errors show
+    rules = fmp.DEFAULT_RULES.derive(lower_precision=["add"])
+    xs = jax.random.uniform(K[3], (200, 500))
+
+    def total(xs):
+        return jax.lax.scan(lambda c, x: (c + x, None), jnp.zeros(500), xs)[0].sum()
+
+    rep = fmp.explain(total, rules=rules, compare=True)(xs)
+    (add,) = [r for r in rep.records if r.op == "add"]
+    assert add.iterations == 200 and add.added_error < 2**-8
+    assert add.error > max(2**-8, 3 * add.added_error) and add.error_mean < add.error
+    (final,) = [r for r in rep.records if r.op == "reduce_sum"]
+    want = float(np.sum(np.asarray(xs, np.float64)))
+    got = float(fmp.autocast(total, rules=rules)(xs))
+    assert final.error == pytest.approx(abs(got - want) / want, rel=1e-3)
 
 
 def test_planted_float16_overflow_is_first_and_fixed():

@@ -17,9 +17,9 @@ from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
-from jax.extend.core.primitives import closed_call_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p
+from jax.extend.core.primitives import closed_call_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p
 
-from fmp._autocast import _hops_calls, _jax_internals
+from fmp._autocast import _compare_loops, _hops_calls, _jax_internals
 from fmp._autocast._cast import cast
 from fmp._autocast._compare_stats import output_stats, suggestion
 from fmp._autocast._context import Context, Handler, aval_of, float_names
@@ -30,7 +30,7 @@ from fmp._autocast._transform import run_top
 from fmp._core._report import LOW
 
 _MSG_BODY = (
-    "fmp.explain(compare=True) does not yet compare inside {name!r} bodies (loops, cond, shard_map and "
+    "fmp.explain(compare=True) does not yet compare inside {name!r} bodies (while loops, cond, shard_map and "
     "linear solves are rewritten as traced bodies, which hold no values to compare). Call fmp.explain "
     "without compare=True for the dtypes, or compare a function that runs one step of the loop."
 )
@@ -39,8 +39,9 @@ _MSG_BODY = (
 class Comparison:
     """The reference run beside one explain rewrite: one environment of reference values per jaxpr."""
 
-    def __init__(self, ctx: Context, args: Sequence[Any]) -> None:
+    def __init__(self, ctx: Context, args: Sequence[Any], rewrite_handlers: Any = None) -> None:
         self.ctx = ctx
+        self.rewrite_handlers = rewrite_handlers  # the rewrite's own handlers (a loop body's dtypes are found by them)
         self.envs: list[dict[Any, Any]] = []
         self.rows: dict[Any, int] = {}  # variable -> index of the explain row of the equation that made it
         self.pending: list[Any] | None = list(args)  # reference inputs of the next jaxpr entered
@@ -174,6 +175,7 @@ def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
         closed_call_p: _closed_call,
         custom_jvp_call_p: _custom,
         custom_vjp_call_p: _custom,
+        scan_p: _compare_loops.scan,
     }
     if "call" in prims:
         evaluated[prims["call"]] = _closed_call
@@ -194,6 +196,7 @@ def run(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> None:
             "fmp.explain(compare=True) runs the program to compare values; it got traced arguments. "
             "Call it outside jit/grad/vmap, on concrete arrays."
         )
+    rewrite_handlers = ctx.handlers
     ctx.handlers = compare_handlers(dict(ctx.handlers))
-    ctx.compare = Comparison(ctx, args)
+    ctx.compare = Comparison(ctx, args, rewrite_handlers)
     run_top(closed, args, ctx)

@@ -45,8 +45,10 @@ def explain(
     code to paste that runs it in float32. ``report.worst(k)`` lists the
     culprits and ``print(report)`` starts with them. The reference is the
     program in the dtypes it was written in (float64 only where it says so).
-    Loops, ``cond`` and ``shard_map`` bodies are not compared yet (a
-    ``NotImplementedError`` says so).
+    A ``scan`` body's rows stand for all its iterations (the worst one's
+    errors, with ``error_mean`` / ``added_error_mean``); ``while``, ``cond``
+    and ``shard_map`` bodies are not compared yet (a ``NotImplementedError``
+    says so).
 
     Args:
       fn: The function to inspect.
@@ -57,7 +59,7 @@ def explain(
 
     Raises:
       TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``).
-      NotImplementedError: ``compare=True`` on a loop, ``cond`` or ``shard_map`` body.
+      NotImplementedError: ``compare=True`` on a ``while``, ``cond`` or ``shard_map`` body.
 
     Examples:
       >>> rep = fmp.explain(lambda x, w: jax.nn.softmax(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))

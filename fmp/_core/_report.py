@@ -44,6 +44,9 @@ class OpRecord:
         indices, comparisons); 0 for floating outputs.
       suggestion: Code to paste that fixes a large added error (an
         ``overrides=`` entry or a ``RuleSet.derive`` call), or ``None``.
+      error_mean, added_error_mean: Inside a ``scan`` body, the means over the
+        iterations (the fields above hold the worst iteration's); else ``None``.
+      iterations: How many iterations the row stands for (1 outside loops).
     """
 
     index: int
@@ -64,6 +67,9 @@ class OpRecord:
     nonfinite: bool = False
     flips: int = 0
     suggestion: str | None = None
+    error_mean: float | None = None
+    added_error_mean: float | None = None
+    iterations: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
