@@ -5,8 +5,9 @@ carries one: the step runs the equation under the policy as usual, runs the orig
 reference values (the program as written, on the same inputs), and writes the error statistics of
 the equation's outputs into its explain row. The reference values live beside the interpreter's own,
 one environment per jaxpr being evaluated, so nested bodies (``jit``, ``checkpoint``, custom
-derivative calls, inline helpers) are compared equation by equation. Bodies the rewrite traces
-instead of evaluating (loops, ``cond``, ``shard_map``, linear solves) are refused with a clear error.
+derivative calls, inline helpers, ``scan`` iterations: ``_compare_loops``) are compared equation by
+equation. Bodies not evaluated here yet (``while``, ``cond``, ``shard_map``, linear solves) are refused
+with a clear error.
 """
 
 from __future__ import annotations

@@ -147,12 +147,12 @@ class Report:
         return f"{format_worst(worst_rows(self.records, 10))}\n\n{table}" if self.compared else table
 
 
-def _rank(r: OpRecord) -> tuple[bool, float, int]:
-    return (r.nonfinite, r.added_error or 0.0, r.flips)
+def _rank(r: OpRecord) -> tuple[bool, float, int, float]:
+    return (r.nonfinite, r.added_error or 0.0, r.flips, r.error or 0.0)
 
 
 def worst_rows(records: Iterable[OpRecord], k: int) -> tuple[OpRecord, ...]:
-    """Compared rows by decreasing own error (non-finite first, then added error, then flips)."""
+    """Compared rows by decreasing own error (non-finite first, then added error, flips, error)."""
     rows = [r for r in records if r.error is not None or r.flips]
     return tuple(sorted(rows, key=_rank, reverse=True)[: max(k, 0)])
 
@@ -170,6 +170,11 @@ def format_worst(rows: Iterable[OpRecord]) -> str:
             f"#{r.index} {r.op} [{_dtypes(r.in_after)} -> {_dtypes(r.out_after)}, {r.category}]: "
             f"added {_num(r.added_error)}, error {_num(r.error)}, sqnr {_num(r.sqnr_db, '.1f')} dB, "
             f"flips {r.flips}{flag}"
+            + (
+                f"; worst of {r.iterations} iterations, mean added {_num(r.added_error_mean)}"
+                if r.iterations > 1
+                else ""
+            )
         )
         where = "  ".join(x for x in (r.scope and f"scope {r.scope}", r.source) if x)
         if where:
