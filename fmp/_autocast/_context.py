@@ -95,6 +95,8 @@ class Context:
     leaf: Leaf | None = None
     # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._fp8._state)
     fp8_sites: Any = None
+    # explain(compare=True): the reference run beside this one (``_compare.Comparison``); None otherwise
+    compare: Any = None
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""

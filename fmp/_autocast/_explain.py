@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fmp._autocast import _compare
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
 from fmp._autocast._fp8_checks import check_state
@@ -15,6 +16,10 @@ from fmp._core._rules import RuleSet
 from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
 
+_MSG_COMPARE_STATE = (
+    "fmp.explain(..., compare=True) does not take fp8_state yet: compare without it (delayed float8 sites then "
+    "run, and are compared as, current scaling), or call explain without compare=True to see the delayed rows."
+)
 
 def explain(
     fn: Callable[..., Any],
@@ -23,6 +28,7 @@ def explain(
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
     fp8_state: Float8State | None = None,
+    compare: bool = False,
 ) -> Callable[..., Report]:
     """Reports the dtype every operation of ``fn`` runs in under `fmp.autocast`.
 
@@ -35,6 +41,21 @@ def explain(
     returns plain data; ``report.summary`` holds the low-precision FLOP share,
     the casts inserted and the float32 islands.
 
+    With ``compare=True`` the function also runs: once as written and once
+    under the policy, on the given inputs, equation by equation, and every
+    row gets the error of its outputs against the program as written
+    (``error``, ``sqnr_db``, ``max_abs_error``, ``nonfinite``, ``flips``),
+    the error the op adds by itself (``added_error``: the op in the policy's
+    dtypes on the reference inputs) and, where that is far above the dtype's
+    unit roundoff, overflows or changes discrete outputs, a ``suggestion``:
+    code to paste that runs it in float32. ``report.worst(k)`` lists the
+    culprits and ``print(report)`` starts with them. The reference is the
+    program in the dtypes it was written in (float64 only where it says so).
+    A ``scan`` body's rows stand for all its iterations (the worst one's
+    errors, with ``error_mean`` / ``added_error_mean``); ``while``, ``cond``
+    and ``shard_map`` bodies are not compared yet (a ``NotImplementedError``
+    says so).
+
     Args:
       fn: The function to inspect.
       policy: As for `fmp.autocast`.
@@ -42,6 +63,12 @@ def explain(
       overrides: As for `fmp.autocast`.
       fp8_state: As for `fmp.autocast`: under a delayed float8 policy, the sites are
         labelled ``delayed`` only with a state (without one they run, and say, ``tensorwise (no state)``).
+      compare: Run the program and compare every op with the program as written.
+
+    Raises:
+      TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``).
+      NotImplementedError: ``compare=True`` on a ``while``, ``cond`` or ``shard_map`` body, or
+        together with ``fp8_state``.
 
     Examples:
       >>> rep = fmp.explain(lambda x, w: jax.nn.softmax(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))
@@ -49,22 +76,35 @@ def explain(
       [('dot_general', ('bfloat16',)), ('exp', ('float32',))]
       >>> rep.summary["low_precision_flop_share"]
       1.0
+      >>> rules = fmp.DEFAULT_RULES.derive(lower_precision=["exp"])
+      >>> x = jnp.linspace(0.0, 80.0, 64)
+      >>> rep = fmp.explain(lambda x: jnp.exp(x).sum(), rules=rules, compare=True)(x)
+      >>> top = rep.worst(1)[0]
+      >>> top.op, top.added_error > 1e-3, top.suggestion
+      ('exp', True, 'rules=rules.derive(float32=["exp"])')
     """
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
     config = configure(policy, rules, overrides)
+    if not isinstance(compare, bool):
+        raise TypeError(f"explain(compare=...) expects True or False, got {compare!r}")
+    if compare and fp8_state is not None:
+        raise NotImplementedError(_MSG_COMPARE_STATE)
     if fp8_state is not None:
         check_state(fp8_state, config.policy, config.overrides, str(config.policy))
 
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
-        closed, _, _ = trace(fn, args, kwargs)
+        closed, arrays, _ = trace(fn, args, kwargs)
         sites = None if fp8_state is None else SiteFeeder(fp8_state)
         ctx = make_context(config, records=[], fp8_sites=sites)
-        rewrite_top(closed, ctx)
+        if compare:
+            _compare.run(closed, arrays, ctx)
+        else:
+            rewrite_top(closed, ctx)
         if sites is not None:
             sites.finish()
-        return Report(records=tuple(ctx.records or ()), policy=str(config.policy), framework="jax")
+        return Report(tuple(ctx.records or ()), policy=str(config.policy), framework="jax", compared=compare)
 
     return run
 

@@ -101,6 +101,9 @@ def eval_jaxpr(
     if hints:
         frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
     ctx.frames.append(frame)
+    compare = ctx.compare  # explain(compare=True): each equation also runs as written, beside this run
+    if compare is not None:
+        compare.enter(jaxpr, consts)
     try:
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
@@ -108,9 +111,11 @@ def eval_jaxpr(
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             tb = ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback
             with source_info_util.user_context(tb, name_stack=name_stack), eqn.ctx.manager:
-                outs = rewrite_eqn(eqn, invals, ctx, scope)
+                outs = rewrite_eqn(eqn, invals, ctx, scope) if compare is None else compare.step(eqn, invals, scope)
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
+        if compare is not None:
+            compare.leave(jaxpr)
         return [read(v) for v in jaxpr.outvars]
     finally:
         ctx.memos.pop()

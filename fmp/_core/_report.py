@@ -36,6 +36,22 @@ class OpRecord:
       detail: Extra facts about the decision; for a ``float8`` row, the scaling
         recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...).
       source_full: ``source`` with the file's full path.
+      error: With ``compare=True``: relative L2 error of the op's floating
+        outputs against the same values of the program as written (error
+        accumulated so far); ``None`` when not compared.
+      added_error: With ``compare=True``: the error the op adds by itself (the
+        op run in the policy's dtypes on the reference inputs, against the
+        reference output); inf when that alone overflows.
+      sqnr_db: Signal-to-quantisation-noise ratio of the outputs in dB (inf when exact).
+      max_abs_error: Largest absolute difference from the reference.
+      nonfinite: inf/NaN appeared in the policy run where the reference is finite.
+      flips: Changed elements of integer/boolean outputs (``argmax``, ``top_k``
+        indices, comparisons); 0 for floating outputs.
+      suggestion: Code to paste that fixes a large added error (an
+        ``overrides=`` entry or a ``RuleSet.derive`` call), or ``None``.
+      error_mean, added_error_mean: Inside a ``scan`` body, the means over the
+        iterations (the fields above hold the worst iteration's); else ``None``.
+      iterations: How many iterations the row stands for (1 outside loops).
     """
 
     index: int
@@ -50,6 +66,16 @@ class OpRecord:
     flops: float = 0.0
     detail: str = ""
     source_full: str = ""
+    error: float | None = None
+    added_error: float | None = None
+    sqnr_db: float | None = None
+    max_abs_error: float | None = None
+    nonfinite: bool = False
+    flips: int = 0
+    suggestion: str | None = None
+    error_mean: float | None = None
+    added_error_mean: float | None = None
+    iterations: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,11 +108,20 @@ class Report:
     """A precision report: every operation's dtypes after the rewrite, and a summary.
 
     ``str(report)`` is a readable table; ``report.to_dict()`` a JSON-ready dict.
+    ``compared``: the rows carry errors against the program as written
+    (``fmp.explain(..., compare=True)``); the table then starts with the worst ops.
     """
 
     records: tuple[OpRecord, ...]
     policy: str
     framework: str
+    compared: bool = False
+
+    def worst(self, k: int = 10) -> tuple[OpRecord, ...]:
+        """The ``k`` compared rows with the largest ``added_error``, rows with non-finite values first."""
+        if not self.compared:
+            raise ValueError("Report.worst needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
+        return worst_rows(self.records, k)
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -118,6 +153,7 @@ class Report:
         return {
             "framework": self.framework,
             "policy": self.policy,
+            "compared": self.compared,
             "records": [r.to_dict() for r in self.records],
             "summary": self.summary,
         }
@@ -130,7 +166,47 @@ class Report:
         return dataclasses.replace(self, records=rows)
 
     def __str__(self) -> str:
-        return format_table(self.records, self.summary, title=f"fmp precision report ({self.framework}, {self.policy})")
+        table = format_table(
+            self.records, self.summary, title=f"fmp precision report ({self.framework}, {self.policy})"
+        )
+        return f"{format_worst(worst_rows(self.records, 10))}\n\n{table}" if self.compared else table
+
+
+def _rank(r: OpRecord) -> tuple[bool, float, int, float]:
+    return (r.nonfinite, r.added_error or 0.0, r.flips, r.error or 0.0)
+
+
+def worst_rows(records: Iterable[OpRecord], k: int) -> tuple[OpRecord, ...]:
+    """Compared rows by decreasing own error (non-finite first, then added error, flips, error)."""
+    rows = [r for r in records if r.error is not None or r.flips]
+    return tuple(sorted(rows, key=_rank, reverse=True)[: max(k, 0)])
+
+
+def _num(x: float | None, fmt: str = ".2e") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_worst(rows: Iterable[OpRecord]) -> str:
+    """The worst ops, one block each: errors, where in the source, and the suggested fix."""
+    out = ["worst ops (own error first; error = relative L2 vs the program as written)"]
+    for r in rows:
+        flag = "  NON-FINITE" if r.nonfinite else ""
+        out.append(
+            f"#{r.index} {r.op} [{_dtypes(r.in_after)} -> {_dtypes(r.out_after)}, {r.category}]: "
+            f"added {_num(r.added_error)}, error {_num(r.error)}, sqnr {_num(r.sqnr_db, '.1f')} dB, "
+            f"flips {r.flips}{flag}"
+            + (
+                f"; worst of {r.iterations} iterations, mean added {_num(r.added_error_mean)}"
+                if r.iterations > 1
+                else ""
+            )
+        )
+        where = "  ".join(x for x in (r.scope and f"scope {r.scope}", r.source) if x)
+        if where:
+            out.append(f"    at {where}")
+        if r.suggestion:
+            out.append(f"    fix: {r.suggestion}")
+    return "\n".join(out)
 
 
 def _dtypes(names: Iterable[str]) -> str:
