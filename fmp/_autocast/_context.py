@@ -95,6 +95,9 @@ class Context:
     leaf: Leaf | None = None
     # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._fp8._state)
     fp8_sites: Any = None
+    # why the equations of the body being rewritten run under ``policy`` when an enclosing rule chose it
+    # (a float32 custom_linear_solve's bodies): the ``detail`` of their explain rows
+    reason: str = ""
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
@@ -111,6 +114,8 @@ class Context:
 
     def record(self, **fields: Any) -> None:
         if self.records is not None:
+            if self.reason and not fields.get("detail"):
+                fields["detail"] = self.reason
             self.records.append(OpRecord(index=len(self.records), **fields))
 
 

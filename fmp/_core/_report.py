@@ -30,7 +30,9 @@ class OpRecord:
       out_before, out_after: Output dtype names before / after the rewrite.
       flops: Estimated floating-point operations (0 when unknown or negligible).
       detail: Extra facts about the decision; for a ``float8`` row, the scaling
-        recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...).
+        recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...); for a
+        row inside a body that an enclosing rule runs under another policy (a
+        ``custom_linear_solve``'s bodies run in float32), that rule.
     """
 
     index: int
