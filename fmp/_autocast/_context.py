@@ -93,6 +93,8 @@ class Context:
     # what to do with an equation: higher-order primitive -> handler; every other equation -> leaf
     handlers: Mapping[Any, Handler] = dataclasses.field(default_factory=dict)
     leaf: Leaf | None = None
+    # whether ``leaf`` binds an equation as written when its inputs have their original types
+    keeps: Callable[[JaxprEqn, Context, Policy], bool] | None = None
     # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._fp8._state)
     fp8_sites: Any = None
     # why the equations of the body being rewritten run under ``policy`` when an enclosing rule chose it
