@@ -132,13 +132,13 @@ def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
     target = decide(category, compute, strong)
     if target is None:
         return True
-    if target != compute and eqn.primitive.name in ctx.rules.jax_epilogue:
-        return False  # the epilogue rule may choose the compute dtype instead
     if (
         eqn.params.get("preferred_element_type") is not None
         and _preferred(eqn, target) != eqn.params["preferred_element_type"]
     ):
         return False
+    # every input already in the target type (so the epilogue rule, which needs an input in the compute
+    # dtype and a target other than it, cannot apply either)
     return all(dtype_name(avals[i].dtype) == target for i in floats)
 
 
