@@ -263,3 +263,33 @@ def test_one_value_under_two_names_shares_its_cast_as_inlined(fn, kw, monkeypatc
     assert out[True][0] == out[False][0]
     for a, b in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_body_the_rules_keep_is_bound_as_written(monkeypatch):
+    """A helper body whose every equation the rules keep at its input types is bound as JAX staged it, not
+    traced again (a first trace in a process pays only for the bodies that change); the others are rewritten."""
+    seen = []
+    real = _helpers.transform_closed
+
+    def recording(closed, *a, **k):
+        out = real(closed, *a, **k)
+        seen.append(([e.primitive.name for e in closed.jaxpr.eqns], out is closed))
+        return out
+
+    monkeypatch.setattr(_helpers, "transform_closed", recording)
+
+    def f(x, y, w):
+        h = jnp.exp(x - y) * y  # float32 inputs: subtract, exp and multiply run as written
+        return jnp.tanh(h @ w), jnp.sum(h)
+
+    def hand(x, y, w):
+        h = jnp.exp(x - y) * y
+        return jnp.tanh(h.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32), jnp.sum(h)
+
+    x, y, w = (jax.random.normal(jax.random.key(i), (4, 4)) for i in range(3))
+    got = jax.jit(fmp.autocast(f))(x, y, w)
+    kept = {tuple(names): same for names, same in seen}
+    assert kept[("sub",)] and kept[("exp",)] and kept[("mul",)] and kept[("reduce_sum",)]
+    assert not kept[("dot_general",)]
+    for a, b in zip(got, hand(x, y, w), strict=True):  # eager: XLA's fusion may keep tanh unrounded under jit
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -225,3 +225,27 @@ def test_random_gamma_samples_in_float32() -> None:
     hand = jax.random.gamma(key, (jnp.abs(x.astype(BF16) @ w.astype(BF16)) + 1.0).astype(jnp.float32))
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out), np.asarray(hand))
+
+
+def test_explain_rows_in_a_float32_body_say_why() -> None:
+    """Rows inside custom_linear_solve's bodies (direct, and jnp.linalg.solve's) run in float32 and name the
+    enclosing rule; moved out of the float32 category, the same rows run in bfloat16 and claim no reason."""
+    x, w = _inputs()
+
+    def f(x, w):
+        a = _spd(x @ w)
+        y = jax.lax.custom_linear_solve(lambda v: a @ v, x[:, 0], lambda mv, b: jnp.linalg.solve(a, b))
+        return y + jnp.linalg.solve(a, x[:, 1])
+
+    rows = fmp.explain(f)(x, w).records
+    inside = [r for r in rows if "custom_linear_solve" in r.detail]
+    assert [r.op for r in rows if r.op == "dot_general" and r.out_after == ("bfloat16",)] == ["dot_general"]  # x @ w
+    assert sum(r.op == "dot_general" for r in inside) >= 2  # the matvecs
+    for r in inside:
+        assert set(r.out_after) <= {"float32"}, r
+        assert "float32" in r.detail, r
+    # no row runs a lower_precision op in float32 without saying why
+    assert not [r for r in rows if r.category == "lower_precision" and r.out_after == ("float32",) and not r.detail]
+    moved = fmp.explain(f, rules=fmp.DEFAULT_RULES.derive(unlisted=["custom_linear_solve"]))(x, w).records
+    assert not [r for r in moved if r.detail]
+    assert sum(r.op == "dot_general" and r.out_after == ("bfloat16",) for r in moved) >= 3

@@ -125,3 +125,66 @@ def test_eval_mode_changes_nothing() -> None:
     for key in before:
         if key not in ("calls", "last", "drop.rngs.key"):
             np.testing.assert_array_equal(np.asarray(after[key]), np.asarray(before[key]), err_msg=key)
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, dtype=None):
+        self.lin = nnx.Linear(3, 16, dtype=dtype, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(16, 2, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.bn(self.lin(x))))
+
+
+def _functional_loss(graphdef):
+    """nnx's functional pattern: merge, run (BatchNorm in train mode updates its statistics), split again."""
+
+    def loss_fn(params, rest, x):
+        model = nnx.merge(graphdef, params, rest)
+        loss = jnp.mean(model(x).astype(jnp.float32) ** 2)
+        _, _, new_rest = nnx.split(model, nnx.Param, ...)
+        return loss, new_rest
+
+    return loss_fn
+
+
+_FUNCTIONAL = {
+    "jit(value_and_grad(autocast(f)))": lambda f: jax.jit(jax.value_and_grad(fmp.autocast(f), has_aux=True)),
+    "value_and_grad(autocast(jit(f)))": lambda f: jax.value_and_grad(fmp.autocast(jax.jit(f)), has_aux=True),
+    "autocast(jit(f))": lambda f: lambda *a: (fmp.autocast(jax.jit(f))(*a), None),
+}
+
+
+@pytest.mark.parametrize("how", list(_FUNCTIONAL))
+def test_functional_split_merge_under_transforms(how: str) -> None:
+    """A loss that merges, runs and splits an nnx model works wherever ``jit(loss)`` does, with its new state
+    returned (the batch statistics updated as in float32) and results as float32's and hand-cast code's."""
+    x = jax.random.normal(jax.random.key(1), (16, 3))
+    graphdef, params, rest = nnx.split(Net(nnx.Rngs(0)), nnx.Param, ...)
+    hand_def, _, _ = nnx.split(Net(nnx.Rngs(0), dtype=jnp.bfloat16), nnx.Param, ...)
+    ref_step = jax.value_and_grad(jax.jit(_functional_loss(graphdef)), has_aux=True)
+    (ref_loss, ref_rest), ref_grads = ref_step(params, rest, x)
+    with jax.numpy_dtype_promotion("standard"):  # flax's bfloat16 BatchNorm mixes its float32 statistics in
+        hand_step = jax.value_and_grad(jax.jit(_functional_loss(hand_def)), has_aux=True)
+        (hand_loss, _), hand_grads = hand_step(params, rest, x)
+
+    (loss, new_rest), grads = _FUNCTIONAL[how](_functional_loss(graphdef))(params, rest, x)
+
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
+    np.testing.assert_allclose(loss, hand_loss, rtol=2e-2)
+    before, after, ref = (nnx.to_pure_dict(s) for s in (rest, new_rest, ref_rest))
+    for stat in ("mean", "var"):
+        assert not np.allclose(after["bn"][stat], before["bn"][stat])  # the statistics were updated
+        assert after["bn"][stat].dtype == jnp.float32
+        np.testing.assert_allclose(after["bn"][stat], ref["bn"][stat], rtol=3e-2, atol=3e-3)
+    if grads is not None:
+        # relative to the largest gradient: the first bias's is ~0 in exact arithmetic (BatchNorm removes it)
+        scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree_util.tree_leaves(ref_grads))
+        for g, r, h in zip(*(jax.tree_util.tree_leaves(t) for t in (grads, ref_grads, hand_grads)), strict=True):
+            assert g.dtype == jnp.float32
+            np.testing.assert_allclose(g / scale, r / scale, atol=1e-2)
+            np.testing.assert_allclose(g / scale, h / scale, atol=1e-2)
+    # the caller's state is not mutated (as under jit: the new state is the function's result)
+    np.testing.assert_array_equal(nnx.to_pure_dict(rest)["bn"]["mean"], np.zeros(16, np.float32))

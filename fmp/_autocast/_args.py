@@ -4,7 +4,8 @@ Array leaves become jaxpr inputs and every other leaf is static (``trace``). fla
 graph nodes: they enter as their state and leave as the state after the function, which is written back
 (``graph_nodes`` / ``trace_with_graph_state``); nnx modules trace under their path's name scope
 (``_nnx_scopes``), so BatchNorm statistics, RNG counts and any ``nnx.Variable``
-the function assigns are updated as without autocast.
+the function assigns are updated as without autocast. A node the function could not assign in the caller's
+trace (its Variables belong to another trace level) enters as a pytree, as under ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -51,14 +52,28 @@ def trace(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[ClosedJaxp
     return closed, arrays, out_tree[0]
 
 
+def _mutable_here(nnx: Any, node: Any) -> bool:
+    """Whether ``fn`` could assign every ``nnx.Variable`` of ``node`` in the caller's trace (flax's own test).
+
+    A Variable made at another trace level (one that ``jax.grad`` rebuilt from a ``State`` argument) cannot be
+    assigned where ``fn`` is called: ``fn`` itself would raise, and ``jax.jit(fn)`` keeps its updates inside,
+    where ``fn`` returns them. Such a node enters as an ordinary pytree, as under ``jit``.
+    """
+    variables = (v for _, v in nnx.graph.iter_graph(node) if isinstance(v, nnx.Variable))
+    return all(getattr(v, "_can_update", True) for v in variables)
+
+
 def graph_nodes(args: tuple, kwargs: dict) -> Any:
-    """flax nnx objects among the arguments (mutable graph nodes), or None; never imports flax itself."""
+    """flax nnx objects among the arguments that ``fn`` can mutate in place (mutable graph nodes), or None.
+
+    Never imports flax itself.
+    """
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return None
     is_node = nnx.graph.is_graph_node
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
-    pos = [i for i, x in enumerate(leaves) if is_node(x)]
+    pos = [i for i, x in enumerate(leaves) if is_node(x) and _mutable_here(nnx, x)]
     return (nnx, leaves, treedef, pos) if pos else None
 
 

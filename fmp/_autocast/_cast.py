@@ -44,26 +44,43 @@ def round_once(up: Any, src: Any) -> Any:
 
 
 @functools.cache
-def _cast_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
-    """``x -> round_once(convert(x, dst), src)`` as a jitted helper (``inline=True``, like jnp's): JAX
-    caches its differentiation per input type instead of linearizing the cast at every use."""
+def _convert_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
+    """``x -> round_once(convert(x, dst), src)``."""
 
     def convert(x: Any) -> Any:
         return round_once(jax.lax.convert_element_type(x, dst), src)
 
-    return jax.jit(convert, inline=True)
+    return convert
+
+
+@functools.cache
+def _cast_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
+    """``_convert_fn(src, dst)`` as a jitted helper (``inline=True``, like jnp's): JAX caches its
+    differentiation per input type instead of linearizing the cast at every use."""
+    return jax.jit(_convert_fn(src, dst), inline=True)
 
 
 _CAST_CALLS = LRU(1024)  # (input aval, dtype, mesh) -> the jit equation's params (None: bind by calling)
+_CAST_TEMPLATES = LRU(256)  # (input dtype, dtype, mesh) -> the params staged for one shape (None: bind by calling)
 
 
 def _cast_call(x: Any, aval: Any, dtype: Any) -> Any:
     """``_cast_fn(...)(x)``, bound as the ``jit`` equation that call would stage, reused per input type
-    (a call of a jitted function re-derives that equation every time)."""
-    key = (aval, dtype.name, jax.sharding.get_abstract_mesh())
+    (a call of a jitted function re-derives that equation every time). The equation is staged by calling
+    once per pair of dtypes; for another shape only its body is traced."""
+    mesh = jax.sharding.get_abstract_mesh()
+    key = (aval, dtype.name, mesh)
     params = _CAST_CALLS.get(key, _MISSING)
     if params is _MISSING:
-        params = _CAST_CALLS.put(key, _jax_internals.staged_call_params(_cast_fn(aval.dtype, dtype), aval))
+        pair = (dtype_name(aval.dtype), dtype.name, mesh)
+        template = _CAST_TEMPLATES.get(pair, _MISSING)
+        if template is _MISSING:
+            params = _CAST_TEMPLATES.put(pair, _jax_internals.staged_call_params(_cast_fn(aval.dtype, dtype), aval))
+        elif template is not None:
+            params = _jax_internals.restaged_call_params(template, _convert_fn(aval.dtype, dtype), aval)
+        else:
+            params = None
+        _CAST_CALLS.put(key, params)
     if params is None:
         return _cast_fn(aval.dtype, dtype)(x)
     return jit_p.bind(x, **params)[0]

@@ -93,10 +93,15 @@ class Context:
     # what to do with an equation: higher-order primitive -> handler; every other equation -> leaf
     handlers: Mapping[Any, Handler] = dataclasses.field(default_factory=dict)
     leaf: Leaf | None = None
+    # whether ``leaf`` binds an equation as written when its inputs have their original types
+    keeps: Callable[[JaxprEqn, Context, Policy], bool] | None = None
     # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._fp8._state)
     fp8_sites: Any = None
     # explain(compare=True): the reference run beside this one (``_compare.Comparison``); None otherwise
     compare: Any = None
+    # why the equations of the body being rewritten run under ``policy`` when an enclosing rule chose it
+    # (a float32 custom_linear_solve's bodies): the ``detail`` of their explain rows
+    reason: str = ""
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
@@ -113,6 +118,8 @@ class Context:
 
     def record(self, **fields: Any) -> None:
         if self.records is not None:
+            if self.reason and not fields.get("detail"):
+                fields["detail"] = self.reason
             full = fields.pop("source")
             row = OpRecord(index=len(self.records), source=short_source(full), source_full=full, **fields)
             self.records.append(row)

@@ -40,8 +40,10 @@ def _linear_solve(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) ->
     (a solve in bfloat16 loses all precision); moved to another category they
     run under the caller's policy.
     """
-    if ctx.rules.category(eqn.primitive.name) is Category.FLOAT32:
-        ctx = dataclasses.replace(ctx, policy=get_policy("float32"))
+    name = eqn.primitive.name
+    if ctx.rules.category(name) is Category.FLOAT32:
+        why = f"inside {name}: its bodies run in float32 by the rule table ({name} is in the float32 category)"
+        ctx = dataclasses.replace(ctx, policy=get_policy("float32"), reason=why)
     jaxprs = eqn.params["jaxprs"]
     new = type(jaxprs)(*(None if j is None else _pinned(j, ctx, scope) for j in jaxprs))
     return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, jaxprs=new))

@@ -25,7 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_par
 
 from fmp._autocast import _jax_internals
 from fmp._autocast._cast import cast, restore
-from fmp._autocast._context import Context, record_eqn
+from fmp._autocast._context import REGION_SCOPE, Context, record_eqn
 from fmp._autocast._lru import LRU
 from fmp._autocast._provenance import frame_of, is_inline_call
 
@@ -148,13 +148,41 @@ def transform_closed(
         hit = _CACHE.get(key)
         if hit is not None:
             return hit
-    result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes, hints, rows)
+    if key is not None and _unchanged(closed, in_avals, ctx, prefix, out_dtypes):
+        result = closed  # the rewrite would bind every equation as written: no trace (and JAX's caches hold)
+    else:
+        result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes, hints, rows)
     if key is not None:
         _CACHE.put(key, result)
     return result
 
 
 _CACHE = LRU(1024)
+
+
+def _unchanged(
+    closed: ClosedJaxpr, in_avals: Sequence[Any], ctx: Context, prefix: str, out_dtypes: Sequence[Any] | None
+) -> bool:
+    """Whether rewriting ``closed`` for ``in_avals`` gives it back as written: its own input types, every
+    equation a first-order one that the leaf rules keep (``ctx.keeps``), its output types as pinned; no
+    override, nested region or float8 recipe (their rules read more than the types)."""
+    if ctx.keeps is None or ctx.overrides or ctx.policy.fp8 is not None or REGION_SCOPE in prefix:
+        return False
+    if list(in_avals) != list(closed.in_avals):
+        return False
+    if out_dtypes is not None and any(
+        d is not None and a.dtype != d for a, d in zip(closed.out_avals, out_dtypes, strict=True)
+    ):
+        return False
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive in ctx.handlers or next(iter(jaxprs_in_params(eqn.params)), None) is not None:
+            return False
+        if REGION_SCOPE in str(eqn.source_info.name_stack):
+            return False
+        if eqn.primitive.name not in OPAQUE and eqn.primitive.name not in EXACT_DTYPE:
+            if not ctx.keeps(eqn, ctx, ctx.policy):
+                return False
+    return True
 
 
 def _transform_closed(

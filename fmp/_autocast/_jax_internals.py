@@ -10,6 +10,7 @@ moves one of these names, this is the only file to change.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -65,9 +66,20 @@ _PRIMITIVE_MODULES = (
 )
 
 
+def _flat(*args: Any) -> Any:  # the signature the debug info of a rewritten body names
+    return args
+
+
+@functools.lru_cache(maxsize=512)
+def _debug_info(name: str, n_args: int) -> Any:
+    """The debug info of a flat function of ``n_args`` arguments, built once (JAX reads the function's
+    signature for it, a cost paid per body otherwise)."""
+    return api_util.debug_info(name, _flat, (0,) * n_args, {})
+
+
 def trace_to_closed_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str) -> ClosedJaxpr:
     """Traces ``fun`` (flat args -> flat list of outputs) at exactly ``in_avals``."""
-    dbg = api_util.debug_info(name, fun, tuple(in_avals), {})
+    dbg = _debug_info(name, len(in_avals))
     wrapped = lu.wrap_init(lambda *args: list(fun(*args)), debug_info=dbg)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return ClosedJaxpr(jaxpr, consts)
@@ -217,3 +229,9 @@ def staged_call_params(jitted: Callable[[Any], Any], aval: Any) -> dict[str, Any
     if list(eqns[0].invars) != list(closed.jaxpr.invars) or list(eqns[0].outvars) != list(closed.jaxpr.outvars):
         return None
     return dict(eqns[0].params)
+
+
+def restaged_call_params(params: dict[str, Any], fun: Callable[[Any], Any], aval: Any) -> dict[str, Any]:
+    """``params`` (from ``staged_call_params`` of ``jit(fun)`` at another shape) with ``fun``'s body traced
+    for ``aval``: a one-input, one-output call without explicit shardings differs only in its body."""
+    return dict(params, jaxpr=trace_to_closed_jaxpr(lambda x: [fun(x)], [aval], params["name"]))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.extend.core import JaxprEqn
+from jax.extend.core import JaxprEqn, Literal
 from jax.extend.core.primitives import convert_element_type_p
 
 from fmp._autocast._cast import cast, round_once
@@ -109,6 +109,38 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     outs = bind(eqn, new, params)
     record_eqn(eqn, ctx, scope, rule, new, outs)
     return outs
+
+
+def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
+    """Whether ``leaf`` binds ``eqn`` exactly as written when its inputs have the original program's types.
+
+    The same decision as ``_decided`` (the rule table's ``decide``, the same followers), read off the
+    original types: no input is cast and no parameter changes. Conservative: a cast the program wrote
+    between float32 and a low-precision type, a float8 or banned op, and a literal cast are not kept.
+    """
+    avals = [v.aval for v in eqn.invars]
+    floats = [i for i, a in enumerate(avals) if hasattr(a, "dtype") and is_castable(a.dtype)]
+    if eqn.primitive is convert_element_type_p:
+        names = {dtype_name(avals[0].dtype), dtype_name(eqn.params["new_dtype"])}
+        return not isinstance(eqn.invars[0], Literal) and not names & _dtypes.LOW_PRECISION
+    category = ctx.rules.category(eqn.primitive.name)
+    if category in (Category.FLOAT8, Category.BANNED):
+        return False
+    strong = [
+        dtype_name(avals[i].dtype) for i in floats if not avals[i].weak_type and not isinstance(eqn.invars[i], Literal)
+    ]
+    compute = policy.compute_dtype.name
+    target = decide(category, compute, strong)
+    if target is None:
+        return True
+    if (
+        eqn.params.get("preferred_element_type") is not None
+        and _preferred(eqn, target) != eqn.params["preferred_element_type"]
+    ):
+        return False
+    # every input already in the target type (so the epilogue rule, which needs an input in the compute
+    # dtype and a target other than it, cannot apply either)
+    return all(dtype_name(avals[i].dtype) == target for i in floats)
 
 
 def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> bool:

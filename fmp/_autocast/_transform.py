@@ -50,6 +50,7 @@ def make_context(config: Config, records: list[OpRecord] | None = None, fp8_site
         records=records,
         handlers=_hops.HANDLERS,
         leaf=_leaf.leaf,
+        keeps=_leaf.keeps,
         fp8_sites=fp8_sites,
     )
 

@@ -34,7 +34,9 @@ class OpRecord:
       out_before, out_after: Output dtype names before / after the rewrite.
       flops: Estimated floating-point operations (0 when unknown or negligible).
       detail: Extra facts about the decision; for a ``float8`` row, the scaling
-        recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...).
+        recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...); for a
+        row inside a body that an enclosing rule runs under another policy (a
+        ``custom_linear_solve``'s bodies run in float32), that rule.
       source_full: ``source`` with the file's full path.
       error: With ``compare=True``: relative L2 error of the op's floating
         outputs against the same values of the program as written (error
