@@ -238,7 +238,9 @@ def get_policy(spec: str | Policy) -> Policy:
         if field is None:
             raise ValueError(_unknown_key(key.strip(), token))
         if field in fields:
-            raise ValueError(f"get_policy(spec): {field} is given twice (in {token!r}). {_spec_help()}")
+            keys = _KEY_SPELLINGS[field]  # the public spellings: the field name "param" is not a key
+            spelled = repr(keys[0]) + (f" (or {keys[1]!r})" if len(keys) > 1 else "")
+            raise ValueError(f"get_policy(spec): {spelled} is given twice (in {token!r}). {_spec_help()}")
         if field == "fp8":
             if value.strip().lower() not in SCALINGS:
                 raise ValueError(

@@ -88,3 +88,31 @@ def test_modules_run_as_written_outside_the_trace():
     other = nnx.Linear(8, 8, rngs=nnx.Rngs(2))
     rep = fmp.explain(lambda m, x: m(other(x)), "mixed_float8")(model, x)
     assert [r.scope for r in rep.records if r.op == "dot_general"] == ["", "blocks/0/attn", "blocks/1/attn", "head"]
+
+
+def test_patch_is_undone_when_the_function_raises_and_threads_see_their_own_scopes():
+    import threading
+
+    model, x = Net(nnx.Rngs(0)), _x()
+    calls = (Net.__call__, Block.__call__, nnx.Linear.__call__)
+
+    def fails(m, x):
+        m(x)
+        raise RuntimeError("inside the trace")
+
+    with pytest.raises(RuntimeError, match="inside the trace"):
+        fmp.autocast(fails, "mixed_bfloat16")(model, x)
+    assert (Net.__call__, Block.__call__, nnx.Linear.__call__) == calls
+    scopes: list[list[str]] = []
+
+    def worker(seed):
+        rep = fmp.explain(_run, "mixed_bfloat16")(Net(nnx.Rngs(seed)), x)
+        scopes.append([r.scope for r in rep.records if r.op == "dot_general"])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert scopes == [["blocks/0/attn", "blocks/1/attn", "head"]] * 2
+    assert (Net.__call__, Block.__call__, nnx.Linear.__call__) == calls

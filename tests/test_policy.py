@@ -107,7 +107,7 @@ def test_get_policy_returns_policy_unchanged():
         ("p:f32", "'p:f32'"),
         ("p=", "''"),
         ("p=f32,,c=bf16", "empty entry"),
-        ("p=f32,params=bf16", "param is given twice"),
+        ("p=f32,params=bf16", "'params' (or 'p') is given twice"),
         ("c=int32", "'int32'"),
         ("c=bool", "'bool'"),
         ("c=complex64", "'complex64'"),
