@@ -93,7 +93,7 @@ def _can_hoist(ctx: Context, scope: str, body: Any) -> bool:
 
 def keep_call(
     closed: ClosedJaxpr, operands: list[Any], invals: list[Any], ctx: Context
-) -> tuple[tuple[int, tuple[bool, bool]], ...] | None:
+) -> tuple[tuple[int, tuple[str, str]], ...] | None:
     """How ``closed`` (a helper body called with ``operands``) is rewritten alone to decide as inlined.
 
     None: inline it (float8 runs, see ``_can_keep``; a scalar constant is
