@@ -46,6 +46,17 @@ _VALUES: dict[str, slice] = {
     "concatenate": slice(0, None),
 }
 
+# arithmetic on constants: op -> how the bounds of its operands bound its result (an upper bound: a sum
+# bounded by the sum of magnitudes may overstate, which only keeps an op wider than it needed)
+_ARITHMETIC = {
+    "abs": lambda *m: max(m),
+    "add": lambda *m: sum(m),
+    "sub": lambda *m: sum(m),
+    "max": lambda *m: max(m),
+    "min": lambda *m: max(m),
+    "mul": lambda a, b: a * b,
+}
+
 _STEPS = 256  # a walk that visits more values than this gives up (the value counts as a runtime value)
 
 # id(array) -> (array, its largest finite magnitude): a closed-over array is measured once
@@ -53,36 +64,53 @@ _MEASURED = LRU(256)
 
 
 def bound(var: Any, frame: Frame) -> float | None:
-    """The largest finite magnitude ``var`` can take if all its values are known while tracing, else None."""
-    stack, seen, best = [(var, frame)], set(), 0.0
-    while stack:
-        v, f = stack.pop()
-        v = up(v, f)
-        if isinstance(v, Literal):
-            best = max(best, _magnitude(v.val))
-            continue
-        if (v, id(f)) in seen:
-            continue
-        seen.add((v, id(f)))
-        if len(seen) > _STEPS:
-            return None
-        eqn = f.producers.get(v)
-        if eqn is None:
-            if v not in f.consts or isinstance(f.consts[v], jax.core.Tracer):
-                return None  # an argument, or a value of an enclosing trace
-            best = max(best, _magnitude(f.consts[v]))
-        elif is_inline_call(eqn):
-            stack.append(into(eqn, v, f)[::-1])
-        elif eqn.primitive.name in _VALUES:
-            stack.extend((u, f) for u in eqn.invars[_VALUES[eqn.primitive.name]])
-        else:
-            return None
-    return best
+    """An upper bound of the finite magnitudes ``var`` can take if its values are known while tracing, else
+    None (a runtime value). Answers are kept in ``frame.bounds``, so a program is walked once."""
+    try:
+        return _bound(var, frame, [_STEPS])
+    except RecursionError:
+        return None
+
+
+def _bound(var: Any, frame: Frame, budget: list[int]) -> float | None:
+    v = up(var, frame)
+    if isinstance(v, Literal):
+        return _magnitude(v.val)
+    if v in frame.bounds:
+        return frame.bounds[v]
+    budget[0] -= 1
+    if budget[0] < 0:
+        return None  # not kept: another walk may get further
+    frame.bounds[v] = None  # while this walk is under way
+    eqn = frame.producers.get(v)
+    result = None
+    if eqn is None:
+        const = frame.consts.get(v)
+        if v in frame.consts and not isinstance(const, jax.core.Tracer):  # else an argument
+            result = _magnitude(const)
+    elif is_inline_call(eqn):
+        body_frame, out = into(eqn, v, frame)
+        result = _bound(out, body_frame, budget)
+    elif eqn.primitive.name in _VALUES or eqn.primitive.name in _ARITHMETIC:
+        name = eqn.primitive.name
+        parts = []
+        for u in eqn.invars[_VALUES[name]] if name in _VALUES else eqn.invars:
+            parts.append(_bound(u, frame, budget))
+            if parts[-1] is None:
+                break
+        if None not in parts:
+            result = _ARITHMETIC[name](*parts) if name in _ARITHMETIC else max(parts)
+    if budget[0] >= 0:
+        frame.bounds[v] = result
+    else:
+        del frame.bounds[v]
+    return result
 
 
 def overflows(magnitude: float, dtype: str) -> bool:
     """Whether a finite value of ``magnitude`` rounds to infinity in ``dtype``."""
-    return bool(np.isinf(np.asarray(magnitude, np.float64).astype(jnp.dtype(dtype))))
+    with np.errstate(over="ignore"):
+        return bool(np.isinf(np.asarray(magnitude, np.float64).astype(jnp.dtype(dtype))))
 
 
 def _magnitude(x: Any) -> float:
@@ -95,5 +123,5 @@ def _magnitude(x: Any) -> float:
 def _device_max(x: jax.Array) -> float:
     """Measured where the array lives (no copy of a large closed-over array to the host)."""
     with jax.ensure_compile_time_eval():
-        a = jnp.abs(x).astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.abs(x)
-        return float(jnp.max(jnp.where(jnp.isfinite(a), a, 0), initial=0))
+        a = jnp.abs(x).astype(jnp.float32)
+        return float(jnp.max(jnp.where(jnp.isfinite(a), a, jnp.float32(0)), initial=jnp.float32(0)))

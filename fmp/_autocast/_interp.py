@@ -102,7 +102,9 @@ def eval_jaxpr(
     if hints:
         frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
     if jaxpr.constvars:
-        frame = dataclasses.replace(frame, consts=ChainMap(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts))
+        frame = dataclasses.replace(
+            frame, consts=ChainMap(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts)
+        )
     ctx.frames.append(frame)
     try:
         for eqn in jaxpr.eqns:

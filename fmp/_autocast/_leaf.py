@@ -105,6 +105,8 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     new = list(invals)
     if target is not None:
         target, detail = _holding_constants(eqn, cur, floats, target, ctx, detail)
+        if rule == "epilogue" and target != compute:
+            rule = category.value  # a constant kept it out of the compute dtype
         new = [cast(x, target, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
     else:
         changed = [i for i in floats if cur[i].dtype != orig[i].dtype]

@@ -45,7 +45,7 @@ class Frame:
     through its inputs, as run in the caller's program. ``uses`` counts the
     uses of each variable of the frame's own jaxpr (its equations and outputs).
     ``consts`` maps the constant variables of the jaxprs on the path to their
-    values (``_constants``).
+    values, ``bounds`` memoises ``_constants.bound`` for this frame.
     """
 
     producers: Mapping[Any, JaxprEqn]
@@ -54,6 +54,8 @@ class Frame:
     # id(equation) -> its epilogue sides as seen from the caller's program (a helper body rewritten alone)
     hints: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
     consts: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    # variable -> ``_constants.bound`` of it, filled as the rewrite asks
+    bounds: dict[Any, float | None] = dataclasses.field(default_factory=dict)
 
 
 # id(jaxpr) -> (jaxpr, its producers, its use counts); holds the jaxpr, so its id is not reused while cached
