@@ -124,23 +124,33 @@ def _llama_block(p, x, attention_mask, dt=jnp.float32):
     return x + lin(jax.nn.silu(lin(_rms(x, p["g2"]), p["w1"])), p["w2"])
 
 
-def test_llama_block_with_left_padded_batch():
+def _llama_setup():
     ks = jax.random.split(jax.random.key(3), 8)
     e = H * D
     p = {n: jax.random.normal(k, (e, e)) / np.sqrt(e) for n, k in zip(("wq", "wk", "wv", "wo"), ks, strict=False)}
     p |= {"w1": jax.random.normal(ks[4], (e, 4 * e)) / np.sqrt(e), "w2": jax.random.normal(ks[5], (4 * e, e)) / 8}
     p |= {"g1": jnp.ones(e), "g2": jnp.ones(e)}
-    x = jax.random.normal(ks[6], (B, T, e))
-    am = PAD.astype(jnp.int32)
+    return p, jax.random.normal(ks[6], (B, T, e)), PAD.astype(jnp.int32)
 
-    def loss(p, x, am, dt=jnp.float32):
-        return jnp.mean(_llama_block(p, x, am, dt) ** 2)
 
+def _llama_loss(p, x, am, dt=jnp.float32):
+    return jnp.mean(_llama_block(p, x, am, dt) ** 2)
+
+
+def test_llama_block_with_left_padded_batch():
+    p, x, am = _llama_setup()
+    loss = _llama_loss
     l32, lhand = loss(p, x, am), loss(p, x, am, BF16)
     lac = fmp.autocast(loss)(p, x, am)
     assert np.isfinite(float(lac))
     assert abs(float(lac) - float(l32)) <= max(2 * abs(float(lhand) - float(l32)), 2e-3 * abs(float(l32)))
     np.testing.assert_allclose(jax.jit(fmp.autocast(loss))(p, x, am), lac, rtol=1e-6)
+
+
+@pytest.mark.gallery
+def test_llama_block_gradients_with_left_padded_batch():
+    p, x, am = _llama_setup()
+    loss = _llama_loss
     g32 = jax.grad(loss)(p, x, am)
     gac = jax.jit(jax.grad(fmp.autocast(loss)))(p, x, am)
     for n in p:
