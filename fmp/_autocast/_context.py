@@ -138,7 +138,15 @@ def source_of(eqn: JaxprEqn, ctx: Context) -> str:
     return _rows.source(eqn, ctx.tracebacks[-1] if ctx.tracebacks else None)
 
 
-def record_eqn(eqn: JaxprEqn, ctx: Context, scope: str, category: str, invals: Sequence[Any], outs: Sequence[Any]):
+def record_eqn(
+    eqn: JaxprEqn,
+    ctx: Context,
+    scope: str,
+    category: str,
+    invals: Sequence[Any],
+    outs: Sequence[Any],
+    detail: str = "",
+):
     """Adds an explain row for ``eqn`` (when recording)."""
     if ctx.records is None:
         return
@@ -152,6 +160,7 @@ def record_eqn(eqn: JaxprEqn, ctx: Context, scope: str, category: str, invals: S
         out_before=float_names([v.aval for v in eqn.outvars]),
         out_after=float_names([aval_of(x) for x in outs]),
         flops=_rows.flops(eqn),
+        detail=detail,
     )
 
 

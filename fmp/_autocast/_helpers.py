@@ -27,7 +27,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, jaxpr_as_fun
 from jax.extend.core.primitives import convert_element_type_p
 
-from fmp._autocast import _jax_internals
+from fmp._autocast import _constants, _jax_internals
 from fmp._autocast._cast import cast
 from fmp._autocast._context import Context, aval_of, is_castable, is_scalar_constant, like_avals
 from fmp._autocast._interp import bind, eval_jaxpr, transform_closed
@@ -93,7 +93,7 @@ def _can_hoist(ctx: Context, scope: str, body: Any) -> bool:
 
 def keep_call(
     closed: ClosedJaxpr, operands: list[Any], invals: list[Any], ctx: Context
-) -> tuple[tuple[int, tuple[bool, bool]], ...] | None:
+) -> tuple[tuple[int, tuple[str, str]], ...] | None:
     """How ``closed`` (a helper body called with ``operands``) is rewritten alone to decide as inlined.
 
     None: inline it (float8 runs, see ``_can_keep``; a scalar constant is
@@ -108,6 +108,8 @@ def keep_call(
     body = closed.jaxpr
     if returned_inputs(body):
         return None  # inlined, an output is the input itself (jnp.real, squeeze of no axes): casts of it are shared
+    if any(_huge_constant(v, ctx) for v in operands):
+        return None  # inlined: the body alone would not see that the operand is a constant (_leaf)
     at_inputs = epilogue_eqns_at_inputs(body, ctx.rules.jax_epilogue)
     if at_inputs is None:
         return None
@@ -124,6 +126,14 @@ def keep_call(
         if sides != epilogue_sides(e, alone, is_low):
             hints.append((n, sides))
     return tuple(hints)
+
+
+def _huge_constant(var: Any, ctx: Context) -> bool:
+    """``var`` is a constant the compute dtype cannot hold (``_constants``)."""
+    if not hasattr(var.aval, "dtype") or not is_castable(var.aval.dtype) or not ctx.frames:
+        return False
+    magnitude = _constants.bound(var, ctx.frames[-1])
+    return magnitude is not None and _constants.overflows(magnitude, ctx.policy.compute_dtype.name)
 
 
 def _entry_casts(body: ClosedJaxpr) -> dict[int, Any]:

@@ -17,6 +17,7 @@ higher-order primitive, ``_hops``) and ``ctx.leaf`` (every other equation,
 from __future__ import annotations
 
 import dataclasses
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -76,7 +77,7 @@ def eval_jaxpr(
     ctx: Context,
     prefix: str,
     call: JaxprEqn | None = None,
-    hints: Sequence[tuple[int, tuple[bool, bool]]] = (),
+    hints: Sequence[tuple[int, tuple[str, str]]] = (),
 ) -> list[Any]:
     """Evaluates ``jaxpr`` on ``args``, rewriting each equation; returns the outputs.
 
@@ -100,6 +101,10 @@ def eval_jaxpr(
     frame = frame_of(jaxpr, ctx.frames[-1], call.invars) if inlined and call else frame_of(jaxpr)
     if hints:
         frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
+    if jaxpr.constvars:
+        frame = dataclasses.replace(
+            frame, consts=ChainMap(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts)
+        )
     ctx.frames.append(frame)
     compare = ctx.compare  # explain(compare=True): each equation also runs as written, beside this run
     if compare is not None:
@@ -128,7 +133,7 @@ def transform_closed(
     ctx: Context,
     prefix: str,
     out_dtypes: Sequence[Any] | None = None,
-    hints: tuple[tuple[int, tuple[bool, bool]], ...] = (),
+    hints: tuple[tuple[int, tuple[str, str]], ...] = (),
     rows: Rows | None = None,
 ) -> ClosedJaxpr:
     """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free).
@@ -191,7 +196,7 @@ def _transform_closed(
     ctx: Context,
     prefix: str,
     out_dtypes: Sequence[Any] | None,
-    hints: tuple[tuple[int, tuple[bool, bool]], ...] = (),
+    hints: tuple[tuple[int, tuple[str, str]], ...] = (),
     rows: Rows | None = None,
 ) -> ClosedJaxpr:
     def fun(*args: Any) -> list[Any]:

@@ -2,10 +2,13 @@
 
 ``leaf`` is what the interpreter (``_interp``) runs for every equation that
 carries no sub-jaxpr: it casts the inputs as the rule table decides (from the
-dtypes they have in the rewritten program), with two refinements the table
-cannot express: a bias added to a matmul's result stays in the compute dtype
-(the epilogue rule), and a jnp reduction's own rounding of a float32
-statistic back to a low-precision dtype is dropped.
+dtypes they have in the rewritten program), with refinements that need the
+equation's shapes and the program around it: a contraction that sums one
+element per output is decided as ``mul`` (``RuleSet.jax_uncontracted``), a
+bias added to a linear layer's result stays in the compute dtype (the epilogue
+rule), an op never casts a constant into a dtype that cannot hold it, and a jnp
+reduction's own rounding of a float32 statistic back to a low-precision dtype
+is dropped.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import numpy as np
 from jax.extend.core import JaxprEqn, Literal
 from jax.extend.core.primitives import convert_element_type_p
 
+from fmp._autocast import _constants
 from fmp._autocast._cast import cast, round_once
 from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, is_scalar_constant, record_eqn
+from fmp._autocast._dims import contracted_size
 from fmp._autocast._float8 import float8
 from fmp._autocast._interp import bind
-from fmp._autocast._provenance import epilogue_sides
+from fmp._autocast._provenance import BIAS, NOT_LOW, epilogue_sides
 from fmp._core import _dtypes
 from fmp._core._rules import Category, decide
 from fmp._policy import Policy
@@ -71,7 +76,10 @@ def _user_cast(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
 
 def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy) -> list[Any]:
     prim = eqn.primitive
-    category = ctx.rules.category(prim.name)
+    category, detail = ctx.rules.category(prim.name), ""
+    if prim.name in ctx.rules.jax_uncontracted and contracted_size(eqn) == 1:
+        category = ctx.rules.category("mul")
+        detail = "sums one element per output: an elementwise product, decided as mul"
     cur = [aval_of(x) for x in invals]
     orig = [v.aval for v in eqn.invars]
     floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and is_castable(a.dtype)]
@@ -89,10 +97,17 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
         # no fp8 recipe, or nothing to cast (float64 inputs): an ordinary lower_precision op, not a float8 one
         category = Category.LOWER_PRECISION
     rule = category.value
-    if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue and _is_epilogue(eqn, cur, ctx, compute):
-        target, rule = compute, "epilogue"
+    if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue:
+        verdict = _epilogue(eqn, cur, ctx, compute)
+        if verdict == BIAS:
+            target, rule, detail = compute, "epilogue", "a bias along the output features"
+        elif verdict:
+            detail = f"no epilogue: {verdict}"
     new = list(invals)
     if target is not None:
+        target, detail = _holding_constants(eqn, cur, floats, target, ctx, detail)
+        if rule == "epilogue" and target != compute:
+            rule = category.value  # a constant kept it out of the compute dtype
         new = [cast(x, target, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
     else:
         changed = [i for i in floats if cur[i].dtype != orig[i].dtype]
@@ -100,6 +115,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
             orig_set = {dtype_name(orig[i].dtype) for i in floats}
             if len(orig_set) == 1:
                 unify = _dtypes.widest(strong) if strong else orig_set.pop()
+                unify, detail = _holding_constants(eqn, cur, floats, unify, ctx, detail)
                 new = [cast(x, unify, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
             else:
                 new = [cast(x, orig[i].dtype, ctx, eqn, scope) if i in changed else x for i, x in enumerate(invals)]
@@ -107,7 +123,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     if target is not None and params.get("preferred_element_type") is not None:
         params["preferred_element_type"] = _preferred(eqn, target)
     outs = bind(eqn, new, params)
-    record_eqn(eqn, ctx, scope, rule, new, outs)
+    record_eqn(eqn, ctx, scope, rule, new, outs, detail=detail)
     return outs
 
 
@@ -143,24 +159,48 @@ def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
     return all(dtype_name(avals[i].dtype) == target for i in floats)
 
 
-def _is_epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> bool:
+def _epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> str:
     """The epilogue rule: ``lp_result + bias`` (either order) runs in the compute dtype.
 
-    True when the equation has two floating inputs, one of them is in the compute
-    dtype now and comes (through pass-through ops, across jnp's helper calls) from a
-    ``lower_precision`` equation, and the other comes from a value with fewer
-    elements than the result (a bias broadcast over the batch) that is not
-    computed from that result: a statistic of the result (a mean, a variance,
-    a maximum) is no bias, so normalisation and max-subtraction take the
-    normal promotion.
+    ``BIAS`` when the equation has two floating inputs, one of them is in the
+    compute dtype now and is the result of a linear layer's product or a
+    convolution (through pass-through ops, across jnp's helper calls), and the
+    other is a bias of it (``_provenance.epilogue_sides``); else ``""`` when no
+    such result takes part, or why the other operand is no bias.
     """
     if len(eqn.invars) != 2 or not all(hasattr(a, "dtype") and is_castable(a.dtype) for a in cur):
-        return False
+        return ""
     if not ctx.frames:
-        return False
+        return ""
     frame = ctx.frames[-1]
     sides = frame.hints.get(id(eqn)) or epilogue_sides(eqn, frame, lambda name: ctx.rules.category(name) in _LOW)
-    return any(ok and dtype_name(cur[i].dtype) == compute for i, ok in enumerate(sides))
+    low = [v for i, v in enumerate(sides) if v != NOT_LOW and dtype_name(cur[i].dtype) == compute]
+    return BIAS if BIAS in low else (low[0] if low else "")
+
+
+def _holding_constants(
+    eqn: JaxprEqn, cur: Sequence[Any], floats: Sequence[int], target: str, ctx: Context, detail: str
+) -> tuple[str, str]:
+    """``target``, widened to the dtype of any input that is a constant ``target`` cannot hold.
+
+    A value known while tracing (``_constants.bound``: ``finfo(float32).min``,
+    ``-1e9`` under float16, a closed-over mask) that would round to infinity
+    in ``target`` is not cast into it: the op runs in the constant's dtype
+    instead, as the program wrote it. Runtime values are cast as decided, so
+    an activation or gradient that overflows still becomes inf (what loss
+    scaling detects).
+    """
+    if not ctx.frames:
+        return target, detail
+    for i in floats:
+        have = dtype_name(cur[i].dtype)
+        if have == target or _dtypes.widest([have, target]) == target:
+            continue
+        magnitude = _constants.bound(eqn.invars[i], ctx.frames[-1])
+        if magnitude is not None and _constants.overflows(magnitude, target):
+            detail = f"a constant of magnitude {magnitude:.3g} overflows {target}: not cast into it"
+            target = _dtypes.widest([have, target])
+    return target, detail
 
 
 _LOW = (Category.LOWER_PRECISION, Category.FLOAT8)

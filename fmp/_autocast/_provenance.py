@@ -27,6 +27,7 @@ from typing import Any
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import jit_p
 
+from fmp._autocast import _dims
 from fmp._autocast._lru import LRU
 
 # Ops a value is traced back through: they move or re-view it without computing on it.
@@ -43,13 +44,18 @@ class Frame:
     rewritten on its own, the epilogue test of those of its equations that see
     through its inputs, as run in the caller's program. ``uses`` counts the
     uses of each variable of the frame's own jaxpr (its equations and outputs).
+    ``consts`` maps the constant variables of the jaxprs on the path to their
+    values, ``bounds`` memoises ``_constants.bound`` for this frame.
     """
 
     producers: Mapping[Any, JaxprEqn]
     alias: Mapping[Any, Any]
     uses: Mapping[Any, int] = dataclasses.field(default_factory=dict)
     # id(equation) -> its epilogue sides as seen from the caller's program (a helper body rewritten alone)
-    hints: Mapping[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)
+    hints: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    consts: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
+    # variable -> ``_constants.bound`` of it, filled as the rewrite asks
+    bounds: dict[Any, float | None] = dataclasses.field(default_factory=dict)
 
 
 # id(jaxpr) -> (jaxpr, its producers, its use counts); holds the jaxpr, so its id is not reused while cached
@@ -99,7 +105,8 @@ def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] 
     if parent is None or operands is None:
         return Frame(own, {}, uses)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
-    return Frame(collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias), uses)
+    producers, aliases = collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias)
+    return Frame(producers, aliases, uses, consts=parent.consts)
 
 
 def used_once(var: Any, frame: Frame) -> bool:
@@ -114,7 +121,7 @@ def is_inline_call(eqn: JaxprEqn) -> bool:
     return eqn.primitive is jit_p and bool(eqn.params.get("inline"))
 
 
-def _up(var: Any, frame: Frame) -> Any:
+def up(var: Any, frame: Frame) -> Any:
     while not isinstance(var, Literal) and var in frame.alias:
         var = frame.alias[var]
     return var
@@ -128,21 +135,33 @@ def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
     outputs of the inline calls, what they re-view, the root): a value
     computed from any of them is computed from the root.
     """
+    return _walk(var, frame)[:3]
+
+
+def _walk(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any], list[JaxprEqn]]:
+    """``root``'s answer and the pass-through equations walked, from the root's consumer to ``var``."""
     path: set[Any] = set()
+    steps: list[JaxprEqn] = []
     while True:
-        var = _up(var, frame)
+        var = up(var, frame)
         if isinstance(var, Literal):
-            return var, None, frozenset(path)
+            return var, None, frozenset(path), steps[::-1]
         path.add(var)
         eqn = frame.producers.get(var)
         if eqn is not None and is_inline_call(eqn):
-            body = eqn.params["jaxpr"].jaxpr
-            k = next(i for i, o in enumerate(eqn.outvars) if o is var)
-            frame, var = frame_of(body, frame, eqn.invars), body.outvars[k]
+            frame, var = into(eqn, var, frame)
             continue
         if eqn is None or eqn.primitive.name not in PASS_THROUGH:
-            return var, eqn, frozenset(path)
+            return var, eqn, frozenset(path), steps[::-1]
+        steps.append(eqn)
         var = eqn.invars[0]
+
+
+def into(call: JaxprEqn, out: Any, frame: Frame) -> tuple[Frame, Any]:
+    """The body of inline ``call`` as a frame, and the body's output that is the call's output ``out``."""
+    body = call.params["jaxpr"].jaxpr
+    k = next(i for i, o in enumerate(call.outvars) if o is out)
+    return frame_of(body, frame, call.invars), body.outvars[k]
 
 
 def depends(var: Any, on: frozenset[Any], frame: Frame) -> bool:
@@ -150,7 +169,7 @@ def depends(var: Any, on: frozenset[Any], frame: Frame) -> bool:
     count as computed from all of its operands)."""
     stack, seen = [var], set()
     while stack:
-        v = _up(stack.pop(), frame)
+        v = up(stack.pop(), frame)
         if isinstance(v, Literal) or v in seen:
             continue
         if v in on:
@@ -162,25 +181,45 @@ def depends(var: Any, on: frozenset[Any], frame: Frame) -> bool:
     return False
 
 
-def epilogue_sides(eqn: JaxprEqn, frame: Frame, is_low: Callable[[str], bool]) -> tuple[bool, bool]:
-    """For each operand of a binary ``eqn``: whether it could be the matmul side of an epilogue.
+NOT_LOW = "-"  # an ``epilogue_sides`` verdict: this operand is no matmul or convolution result
+BIAS = "bias"  # an ``epilogue_sides`` verdict: the other operand is a bias of this one
 
-    Operand ``i`` qualifies when it comes (through pass-through ops and helper
-    calls) from an equation whose primitive ``is_low`` (a matmul or
-    convolution), and the other operand comes from a value with fewer elements
-    than the result that is not computed from that one: a bias, not a
-    statistic of the result. The caller checks the dtypes.
+
+def epilogue_sides(eqn: JaxprEqn, frame: Frame, is_low: Callable[[str], bool]) -> tuple[str, str]:
+    """For each operand of a binary ``eqn``: whether it is the matmul side of an epilogue, and if not, why.
+
+    Operand ``i`` qualifies (verdict ``BIAS``) when it comes (through
+    pass-through ops and helper calls) from an equation whose primitive
+    ``is_low``, a ``dot_general`` without batch dimensions or a convolution,
+    and the other operand is a bias of it as torch's ``linear`` and ``conv``
+    take one: a value with fewer elements than the result that varies only
+    along the output features (``_dims.along_features``; a scalar counts) and is
+    not computed from the result (a statistic of the result is no bias). Else
+    ``NOT_LOW`` (no such result) or the reason. The caller checks the dtypes.
     """
     size = math.prod(eqn.outvars[0].aval.shape)
     sides = []
     for i in (0, 1):
-        _, made, path = root(eqn.invars[i], frame)
-        ok = made is not None and is_low(made.primitive.name)
-        if ok:
-            other = root(eqn.invars[1 - i], frame)[0]
-            small = math.prod(other.aval.shape) < size
-            ok = small and not depends(eqn.invars[1 - i], path, frame)
-        sides.append(ok)
+        top, made, path, steps = _walk(eqn.invars[i], frame)
+        start = _dims.of_result(made) if made is not None and is_low(made.primitive.name) else None
+        if start is None:
+            sides.append(NOT_LOW)
+            continue
+        labels, features = start
+        for e in steps:
+            labels = _dims.forward(labels, e)
+        other, _, _, other_steps = _walk(eqn.invars[1 - i], frame)
+        bias = _dims.of_bias(getattr(other.aval, "shape", ()))
+        for e in other_steps:
+            bias = _dims.forward(bias, e)
+        if math.prod(getattr(other.aval, "shape", ())) >= size:
+            sides.append("the other operand is as large as the result")
+        elif depends(eqn.invars[1 - i], path, frame):
+            sides.append("the other operand is computed from the result (a statistic)")
+        elif len(bias) != len(labels):
+            sides.append(BIAS if not any(bias) else "the other operand's dimensions are not the result's")
+        else:
+            sides.append(_dims.along_features(labels, features, bias) or BIAS)
     return sides[0], sides[1]
 
 

@@ -8,6 +8,8 @@ from typing import Any
 from jax.extend import source_info_util
 from jax.extend.core import JaxprEqn
 
+from fmp._autocast._dims import contracted_size
+
 
 def source(eqn: JaxprEqn, traceback: Any = None) -> str:
     """The user's source line of ``eqn`` (``""`` when unknown); ``traceback`` replaces the equation's own."""
@@ -25,10 +27,7 @@ def flops(eqn: JaxprEqn) -> float:
         return 0.0
     out = eqn.outvars[0].aval
     if name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
-        k = math.prod(lhs.shape[d] for d in lhs_contract)
-        return 2.0 * math.prod(out.shape) * k
+        return 2.0 * math.prod(out.shape) * contracted_size(eqn)
     if name == "conv_general_dilated":
         rhs = eqn.invars[1].aval
         out_feature_dim = eqn.params["dimension_numbers"].rhs_spec[0]

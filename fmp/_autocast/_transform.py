@@ -96,7 +96,10 @@ def autocast_jaxpr(
     in the policy's compute dtype, ``float32`` ops in float32, ``promote`` ops in
     their widest floating input, unlisted ops in the dtypes they are given. The
     epilogue rule (``rules.jax_epilogue``, default ``add``/``sub``) runs a bias
-    add on a ``lower_precision`` op's result in the compute dtype. Loop carries
+    along the output features added to a linear layer's or a convolution's
+    result in the compute dtype; a contraction summing one element per output
+    is decided as ``mul`` (``rules.jax_uncontracted``); no constant is cast
+    into a dtype in which it rounds to infinity. Loop carries
     take the dtypes of a fixed point of the body rewrite.
     float64, integer and boolean values are never cast, an explicit
     ``convert_element_type`` keeps its target, and ``jit``, ``scan``,

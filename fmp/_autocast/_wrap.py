@@ -42,9 +42,12 @@ def autocast(
     ``jax.grad``, ``jax.vmap`` and ``lax.scan``. Matmuls and convolutions run in
     the policy's compute dtype, exponentials, logarithms, powers and sums in
     float32, multi-input elementwise ops in their widest input, except that a
-    bias added to a matmul's or convolution's result is added in the compute
-    dtype, as torch's ``linear`` does (the rule table ``fmp.DEFAULT_RULES``,
-    ``RuleSet.jax_epilogue``); float64, integer and boolean values are never cast.
+    bias along the output features added to a linear layer's or convolution's
+    result is added in the compute dtype, as torch's ``linear`` does (the rule
+    table ``fmp.DEFAULT_RULES``, ``RuleSet.jax_epilogue``); an outer or
+    batch-only product runs in its inputs' dtype (``RuleSet.jax_uncontracted``),
+    and no constant is cast into a dtype that cannot hold it; float64, integer
+    and boolean values are never cast.
 
     Dtypes: array arguments are not cast (parameters stay float32 and are cast
     where an op uses them, so the gradients of float32 parameters are float32).

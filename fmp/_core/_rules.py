@@ -96,6 +96,8 @@ class RuleSet:
     banned_messages: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # JAX promote ops that take a bias into a lower_precision op's result (see ``derive(epilogue=...)``)
     jax_epilogue: frozenset[str] = frozenset()
+    # JAX contractions decided as ``mul`` when they sum one element per output (see ``derive(uncontracted=...)``)
+    jax_uncontracted: frozenset[str] = frozenset()
     # unlisted torch CPU ops whose kernels call listed ops through the dispatcher: eager autocast reaches
     # inside them, so the FX rewrite runs them in a one-op autocast region
     torch_cpu_autocast_inside: frozenset[str] = frozenset()
@@ -107,6 +109,7 @@ class RuleSet:
         object.__setattr__(self, "torch_cuda_variants", MappingProxyType(dict(self.torch_cuda_variants)))
         object.__setattr__(self, "banned_messages", MappingProxyType(dict(self.banned_messages)))
         object.__setattr__(self, "jax_epilogue", frozenset(self.jax_epilogue))
+        object.__setattr__(self, "jax_uncontracted", frozenset(self.jax_uncontracted))
         object.__setattr__(self, "torch_cpu_autocast_inside", frozenset(self.torch_cpu_autocast_inside))
         # the tables never change after this point: compute the key and hash once (autocast hashes the
         # rule set for its cache on every transformed jaxpr)
@@ -124,6 +127,7 @@ class RuleSet:
             tuple(sorted(self.torch_cuda_variants.items())),
             tuple(sorted(self.banned_messages.items())),
             tuple(sorted(self.jax_epilogue)),
+            tuple(sorted(self.jax_uncontracted)),
             tuple(sorted(self.torch_cpu_autocast_inside)),
         )
 
@@ -166,6 +170,7 @@ class RuleSet:
         device: str | None = None,
         banned_messages: Mapping[str, str] | None = None,
         epilogue: Iterable[str] | None = None,
+        uncontracted: Iterable[str] | None = None,
         **moves: Iterable[str],
     ) -> RuleSet:
         """Returns a new rule set with ops moved between categories.
@@ -176,9 +181,15 @@ class RuleSet:
           banned_messages: Optional messages for ops moved to ``banned``.
           epilogue: Optional JAX primitive names that replace ``jax_epilogue``: the
             promote ops (default ``add``, ``sub``) that run in the compute dtype
-            when they add a broadcast bias to a lower_precision op's result, as
-            torch's ``linear`` does. ``epilogue=[]`` turns the rule off. The
-            torch tables are not affected.
+            when they add a bias along the output features to the result of a
+            linear layer's product or a convolution, as torch's ``linear`` and
+            ``conv`` do. ``epilogue=[]`` turns the rule off. The torch tables
+            are not affected.
+          uncontracted: Optional JAX primitive names that replace
+            ``jax_uncontracted``: the contractions (default ``dot_general``)
+            decided as ``mul`` when they sum one element per output (an outer
+            or batch-only product). ``uncontracted=[]`` runs them in the compute
+            dtype. The torch tables are not affected.
           **moves: ``category_name=[op, ...]``, e.g. ``float32=["dot_general"]`` or
             ``unlisted=["exp"]``. An op may appear in one category only.
 
@@ -195,15 +206,12 @@ class RuleSet:
           (<Category.UNLISTED: 'unlisted'>, <Category.LOWER_PRECISION: 'lower_precision'>)
           >>> sorted(fmp.DEFAULT_RULES.jax_epilogue), fmp.DEFAULT_RULES.derive(epilogue=[]).jax_epilogue
           (['add', 'sub'], frozenset())
+          >>> fmp.DEFAULT_RULES.derive(uncontracted=[]).jax_uncontracted
+          frozenset()
         """
         framework = _check_framework(framework)
-        if isinstance(epilogue, str):
-            raise TypeError(f"derive(epilogue=...) expects a list of JAX primitive names, got the string {epilogue!r}")
-        if epilogue is not None:
-            epilogue = frozenset(epilogue)
-            bad = [n for n in epilogue if not isinstance(n, str)]
-            if bad:
-                raise TypeError(f"derive(epilogue=...) expects primitive names as str, got {bad[0]!r}")
+        epilogue = _primitive_names("epilogue", epilogue)
+        uncontracted = _primitive_names("uncontracted", uncontracted)
         seen: dict[str, Category] = {}
         for cat_name, names in moves.items():
             cat = _check_category(cat_name)
@@ -242,7 +250,21 @@ class RuleSet:
         messages.update(banned_messages or {})
         if epilogue is not None:
             changes["jax_epilogue"] = epilogue
+        if uncontracted is not None:
+            changes["jax_uncontracted"] = uncontracted
         return dataclasses.replace(self, torch_cuda_variants=variants, banned_messages=messages, **changes)  # type: ignore[arg-type]
+
+
+def _primitive_names(arg: str, names: Iterable[str] | None) -> frozenset[str] | None:
+    if isinstance(names, str):
+        raise TypeError(f"derive({arg}=...) expects a list of JAX primitive names, got the string {names!r}")
+    if names is None:
+        return None
+    names = frozenset(names)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"derive({arg}=...) expects primitive names as str, got {bad[0]!r}")
+    return names
 
 
 def _check_framework(framework: str) -> str:
@@ -325,6 +347,7 @@ DEFAULT_RULES = RuleSet(
     },
     banned_messages=dict(data.TORCH_CUDA_BANNED),
     jax_epilogue=data.JAX_EPILOGUE,
+    jax_uncontracted=data.JAX_UNCONTRACTED,
     torch_cpu_autocast_inside=data.TORCH_CPU_AUTOCAST_INSIDE,
 )
 """The rule table fmp ships and uses by default: one `RuleSet` for both frameworks.

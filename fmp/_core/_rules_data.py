@@ -134,15 +134,31 @@ JAX_TOUCHY_EXEMPT = {
 }
 
 # Epilogue ops: a promote op listed here runs in the compute dtype when one
-# operand is the compute-dtype result of a lower_precision op (through
+# operand is the compute-dtype result of a linear layer's product (a
+# ``dot_general`` without batch dimensions) or of a convolution (through
 # reshape / broadcast_in_dim / convert_element_type / squeeze / transpose) and
-# the other is a broadcast of a smaller value (a bias). This is JAX's form of
-# torch's linear / addmm / conv taking the bias inside the low-precision op:
-# the activation after ``x @ w + b`` stays in the compute dtype.
+# the other is a bias as torch's linear and conv take one: smaller than the
+# result, varying only along its output features (the free dimensions of one
+# operand of the product; a convolution's feature dimension), not computed
+# from the result. This is JAX's form of torch's linear / addmm / conv taking
+# the bias inside the low-precision op: the activation after ``x @ w + b``
+# stays in the compute dtype. Anything else added to a matmul's result (an
+# attention mask or bias shaped like the scores or varying along their batch
+# or head dimensions, a residual) takes the op's own rule: a float32 operand
+# makes the add float32, as torch's type promotion does after its matmul.
 JAX_EPILOGUE = (
     "add",
     "sub",
 )
+
+# Contractions with no matmul work: a listed op whose contracting dimensions
+# hold one element in all (an outer product ``einsum("i,j->ij")``, a
+# batch-only product, a contraction over dimensions of size 1) computes each
+# output element as one product. It is decided as ``mul`` is (promote: it runs
+# in its inputs' dtype), as torch's CPU autocast runs ``einsum`` and ``outer``
+# without contraction (they dispatch to ``mul``), so rotary angles
+# ``einsum("i,j->ij", positions, inv_freq)`` keep float32.
+JAX_UNCONTRACTED = ("dot_general",)
 
 # --- torch 2.13, CUDA autocast (ATen/autocast_mode.h lists + autocast_mode.cpp) ---
 

@@ -174,6 +174,12 @@ COMPOSITES = {
     "multi_dot": (lambda a, b: torch.linalg.multi_dot([a, b, b.T]), torch.bfloat16),
     "kron": (lambda a, b: torch.kron(a, b), torch.float32),  # decomposes into no listed op
     "outer_einsum": (lambda a, b: torch.einsum("i,j->ij", a[0], b[0]), torch.float32),
+    # contractions summing one element per output: torch's CPU autocast runs einsum and outer as a mul
+    # (float32, as fmp's JAX rule), but matmul and mm as listed ops (bfloat16); FX follows torch
+    "outer": (lambda a, b: torch.outer(a[0], b[0]), torch.float32),
+    "batch_only_einsum": (lambda a, b: torch.einsum("bi,bj->bij", a, b[:3]), torch.float32),
+    "size1_einsum": (lambda a, b: torch.einsum("ik,kj->ij", a[:, :1], b[:1]), torch.float32),
+    "size1_matmul": (lambda a, b: a[:, :1] @ b[:1], torch.bfloat16),
 }
 
 
