@@ -12,7 +12,11 @@ import fmp
 
 where = Path(fmp.__file__).resolve()
 assert "site-packages" in where.parts, f"fmp imported from {where}, not from the installed wheel"
-assert metadata.version("fmp") == fmp.__version__, (metadata.version("fmp"), fmp.__version__)
+assert metadata.version("jax-fmp") == fmp.__version__, (metadata.version("jax-fmp"), fmp.__version__)
+meta = metadata.metadata("jax-fmp")
+assert meta["Name"] == "jax-fmp" and meta["License-Expression"] == "Apache-2.0", (meta["Name"], meta["License-Expression"])
+licenses = [f for f in metadata.files("jax-fmp") if f.name == "LICENSE"]
+assert licenses and "Apache License" in licenses[0].read_text(), "the LICENSE file is not in the wheel"
 assert (where.parent / "py.typed").exists(), "py.typed is not in the wheel"
 for sub in ("_core", "_autocast", "optax", "torch", "torch/fp16_utils", "torch/cuda"):
     assert (where.parent / sub / "__init__.py").exists(), f"fmp/{sub} is not in the wheel"

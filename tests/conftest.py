@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
 
 import jax
 import pytest
+
+
+class _TorchNotInstalled(importlib.abc.MetaPathFinder):
+    """tests/ is on sys.path (the suite imports its helpers by bare name), so where torch is not installed
+    `import torch` would find the tests/torch folder as an empty namespace package and every
+    `pytest.importorskip("torch")` would pass. This finder makes it fail as a missing torch does (a None in
+    sys.modules would not do: libraries such as scipy read sys.modules["torch"] as a module)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return None
+
+
+_torch = importlib.util.find_spec("torch")
+if _torch is not None and _torch.origin is None:  # a namespace package: the tests/torch folder
+    sys.meta_path.insert(0, _TorchNotInstalled())
 
 # Silent upcasts are exactly the kind of bug fmp exists to prevent: make them errors.
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import ast
+import re
+import shutil
+import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -71,8 +76,9 @@ def test_autocast_modules_form_no_cycle():
     assert graph["_context"] <= {"_rows", "_provenance"}, graph["_context"]
     assert graph["_cast"] <= {"_context", "_jax_internals", "_lru"}, graph["_cast"]
     assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru"}, graph["_interp"]
-    assert graph["_provenance"] <= {"_lru"}, graph["_provenance"]
+    assert graph["_provenance"] <= {"_lru", "_dims"}, graph["_provenance"]
     assert graph["_lru"] == set(), graph["_lru"]
+    assert graph["_dims"] == set(), graph["_dims"]  # dimension arithmetic of a dot_general: a leaf module
     _assert_no_cycle(graph)
 
 
@@ -143,8 +149,8 @@ _HIDE = "import sys; sys.modules[{dep!r}] = None  # as if {dep} were not install
 @pytest.mark.parametrize(("module", "dep", "how"), [
     ("fmp.torch", "torch", "install torch first with its own command (CPU build: pip install torch --index-url "
                            "https://download.pytorch.org/whl/cpu ; for a CUDA build see "
-                           "https://pytorch.org/get-started/locally/), then pip install 'fmp[torch]'."),
-    ("fmp.optax", "optax", "pip install 'fmp[optax]' (or pip install optax)."),
+                           "https://pytorch.org/get-started/locally/), then pip install 'jax-fmp[torch]'."),
+    ("fmp.optax", "optax", "pip install 'jax-fmp[optax]' (or pip install optax)."),
 ])  # fmt: skip
 def test_missing_optional_dependency_says_how_to_install_it(module, dep, how):
     out = run_python(
@@ -190,3 +196,109 @@ def test_pyproject_claims_only_what_is_tested():
     text = (ROOT / "pyproject.toml").read_text()
     assert "CUDA)" not in text and "0.11.x" not in text
     assert "Typing :: Typed" in project["classifiers"] and (ROOT / "fmp" / "py.typed").exists()
+
+
+DIST = "jax-fmp"  # the distribution's name; the import name is fmp
+_NOT_SOURCE = (".git", "site", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "*out")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The sdist and the wheel, built from a copy of the tree with the installed setuptools (no isolated build
+    env: a few seconds); .ci/run builds them again with ``python -m build`` and installs the wheel."""
+    src = tmp_path_factory.mktemp("src") / "tree"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*_NOT_SOURCE))
+    out = src.parent / "out"
+    build = f"from setuptools import build_meta as b; b.build_sdist({str(out)!r}); b.build_wheel({str(out)!r})"
+    proc = subprocess.run([sys.executable, "-c", build], cwd=src, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (sdist,), (wheel,) = out.glob("*.tar.gz"), out.glob("*.whl")
+    with tarfile.open(sdist) as tar:
+        sdist_files = {n.split("/", 1)[1]: n for n in tar.getnames() if "/" in n}
+        sdist_license = tar.extractfile(sdist_files["LICENSE"]).read().decode()
+    with zipfile.ZipFile(wheel) as zf:
+        wheel_files = {n: zf.read(n).decode() for n in zf.namelist() if ".dist-info/" in n}
+    return sdist.name, sdist_files, sdist_license, wheel.name, wheel_files
+
+
+def test_artifacts_are_named_for_the_distribution(built):
+    sdist, _, _, wheel, files = built
+    assert sdist == f"jax_fmp-{fmp.__version__}.tar.gz" and wheel == f"jax_fmp-{fmp.__version__}-py3-none-any.whl"
+    meta = files[f"jax_fmp-{fmp.__version__}.dist-info/METADATA"]
+    assert f"\nName: {DIST}\n" in meta and "\nAuthor: fmp developers\n" in meta
+    assert "Project-URL" not in meta, "no public address exists yet: the metadata must not invent one"
+
+
+def test_license_is_in_the_sdist_and_the_wheel(built):
+    _, _, sdist_license, _, files = built
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert sdist_license == text
+    assert files[f"jax_fmp-{fmp.__version__}.dist-info/licenses/LICENSE"] == text
+    meta = files[f"jax_fmp-{fmp.__version__}.dist-info/METADATA"]
+    assert "\nLicense-Expression: Apache-2.0\n" in meta and "\nLicense-File: LICENSE\n" in meta
+
+
+def test_sdist_ships_no_tests_they_need_the_repository(built):
+    # the tests run examples/, docs/, bench/ and .ci/ files, which the sdist does not carry
+    _, sdist_files, _, _, _ = built
+    assert not [n for n in sdist_files if n.startswith(("tests/", "examples/", "docs/", "bench/"))]
+    assert {"LICENSE", "pyproject.toml", "PKG-INFO", "fmp/__init__.py", "fmp/py.typed"} <= set(sdist_files)
+
+
+def test_index_description_has_no_repository_links_and_its_snippet_runs(built):
+    """The wheel's description (the index page) is DESCRIPTION.md: links to repository files would be dead
+    there, and its code snippet runs."""
+    text = (ROOT / "DESCRIPTION.md").read_text()
+    meta = built[4][f"jax_fmp-{fmp.__version__}.dist-info/METADATA"]
+    assert meta.split("\n\n", 1)[1].strip() == text.strip()
+    assert not re.findall(r"\]\((?!https://)[^)]*\)", text), "a relative link is dead on an index page"
+    assert "pip install fmp" not in text and f"`{DIST}`" in text
+    (block,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    ns: dict = {}
+    exec(compile(block, "DESCRIPTION.md", "exec"), ns)  # noqa: S102
+    import jax.numpy as jnp
+
+    x = jnp.ones((4, 8))
+    params, scaler, loss = ns["train_step"]({"w": jnp.zeros((8, 1))}, fmp.GradScaler(), x, x[:, :1])
+    assert params["w"].dtype == jnp.float32 and float(loss) == 1.0, (params, loss)
+    scale, moved = float(scaler.loss_scale), float(jnp.abs(params["w"]).max())
+    # a step (w moves by lr * 2), or a step skipped on overflow with the scale halved
+    assert (scale == 2.0**16 and abs(moved - 0.2) < 1e-3) or (scale == 2.0**15 and moved == 0.0), (scale, moved)
+
+
+def test_users_are_told_the_distribution_name():
+    # every "pip install" of the project names the distribution (or a checkout), never the index's other "fmp"
+    other_fmp = re.compile(r"""(^|[\s'"])fmp($|[\s\['"])""")
+    texts = [ROOT / "README.md", ROOT / "DESCRIPTION.md", ROOT / "pyproject.toml", ROOT / "fmp" / "_core" / "_optional.py",
+             *(ROOT / "docs").rglob("*.md")]  # fmt: skip
+    for path in texts:
+        for cmd in re.findall(r"pip install [^\n`]*", path.read_text()):
+            assert not other_fmp.search(cmd.split("#")[0].removeprefix("pip install ")), (path, cmd)
+    assert f'name = "{DIST}"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_tested_versions_table_matches_ci_and_the_claims():
+    """docs/installation.md's table: one row per Python that .ci/run tests (the main run on 3.11, then
+    jax_suite's venvs), the same Pythons as the classifiers, and the first row holds the lower bounds."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    page = (ROOT / "docs" / "installation.md").read_text()
+    rows = [[c.strip() for c in r.split("|")[1:-1]] for r in re.findall(r"^\| 3\.\d+ \|.*\|$", page, re.M)]
+    table = {r[0]: r[1:] for r in rows}
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert list(table) == ["3.11", *re.findall(r"^jax_suite (3\.\d+)$", ci, re.M)], list(table)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    classified = [
+        c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
+    ]
+    assert classified == list(table)
+    assert project["requires-python"] == f">={list(table)[0]}"
+    deps = [Requirement(r) for r in project["dependencies"]]
+    deps += [Requirement(r) for key in ("optax", "flax") for r in project["optional-dependencies"][key]]
+    lowest = {r.name: next(s.version for s in r.specifier if s.operator == ">=") for r in deps}
+    first = dict(zip(("jax", "numpy", "flax", "optax"), table["3.11"], strict=False))
+    assert lowest["jax"] == lowest["jaxlib"] == first["jax"]
+    assert first["numpy"].startswith(lowest["numpy"] + ".")
+    assert (lowest["flax"], lowest["optax"]) == (first["flax"], first["optax"])

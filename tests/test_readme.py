@@ -26,6 +26,13 @@ def test_readme_has_main_and_test_commands():
     assert cmd.index("torch==2.13.0") < cmd.index('-e ".[all,dev]"')
 
 
+def test_readme_says_which_torch_build_the_test_command_installs():
+    # the same command gets a CPU build on CI's machine (a local wheel) and the CUDA build from the public index
+    assert "CPU build first" not in README
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in README
+    assert "CUDA build" in README
+
+
 def test_ci_runs_the_readme_test_command():
     cmd = next(b for b in _bash_blocks() if "pytest" in b)
     install, _, run = cmd.rpartition(" && ")

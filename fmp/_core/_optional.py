@@ -11,9 +11,9 @@ _HOW = {
     "torch": (
         "install torch first with its own command (CPU build: "
         "pip install torch --index-url https://download.pytorch.org/whl/cpu ; for a CUDA build see "
-        "https://pytorch.org/get-started/locally/), then pip install 'fmp[torch]'"
+        "https://pytorch.org/get-started/locally/), then pip install 'jax-fmp[torch]'"
     ),
-    "optax": "pip install 'fmp[optax]' (or pip install optax)",
+    "optax": "pip install 'jax-fmp[optax]' (or pip install optax)",
 }
 
 _MSG_MISSING = "{module} needs {dep}, which is not installed: {how}."
