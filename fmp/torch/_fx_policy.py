@@ -8,7 +8,9 @@ import torch
 
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
+from fmp._fp8._recipe import Float8Recipe
 from fmp._policy import Policy, get_policy
+from fmp.torch._fx_float8 import check_recipe
 
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -21,22 +23,35 @@ _MSG_POLICY = (
 
 
 _MSG_FLOAT8 = (
-    "policy {got!r} asks for float8 matmuls (fp8={fp8}), which fmp.torch does not run yet: it would quietly "
-    "compute in {compute} instead. Use a policy without fp8 here (e.g. 'mixed_bfloat16'), or run float8 on the "
-    "JAX side (fmp.autocast(fn, 'mixed_float8'))."
+    "policy {got!r} asks for float8 matmuls (fp8={fp8}), which {where} does not run: it would quietly "
+    "compute in {compute} instead. Use fmp.torch.autocast_fx(model, inputs, {got!r}) (tensorwise and rowwise "
+    "recipes), a policy without fp8 here (e.g. 'mixed_bfloat16'), or float8 on the JAX side "
+    "(fmp.autocast(fn, 'mixed_float8'))."
 )
 
 
-def torch_policy(policy: Policy | str) -> Policy:
-    """``get_policy(policy)``, refusing a float8 policy (the torch side has no float8 rewrite).
+def torch_policy(policy: Policy | str, where: str = "fmp.torch.autocast (eager)", float8: bool = False) -> Policy:
+    """``get_policy(policy)``; a float8 policy only with ``float8`` (and a recipe the FX pass runs).
 
     Raises:
-      NotImplementedError: the policy carries an fp8 recipe.
+      NotImplementedError: the policy carries an fp8 recipe and ``where`` runs none, or a recipe
+        the FX float8 pass does not run (blockwise, delayed, mx).
     """
     pol = get_policy(policy)
     if pol.fp8 is not None:
-        raise NotImplementedError(_MSG_FLOAT8.format(got=str(policy), fp8=pol.fp8, compute=pol.compute_dtype.name))
+        if not float8:
+            raise NotImplementedError(
+                _MSG_FLOAT8.format(got=str(policy), fp8=pol.fp8, compute=pol.compute_dtype.name, where=where)
+            )
+        check_recipe(pol.fp8)
     return pol
+
+
+def float8_recipe(policy: Any) -> Float8Recipe | None:
+    """The float8 recipe of an fmp ``Policy`` or spec (checked runnable by the FX pass), or None."""
+    if isinstance(policy, Policy | str) and not (isinstance(policy, str) and policy in TORCH_DEVICES):
+        return torch_policy(policy, float8=True).fp8
+    return None
 
 
 def resolve_policy(
@@ -44,6 +59,7 @@ def resolve_policy(
     device_type: str | None = None,
     dtype: Any = None,
     rules: RuleSet | None = None,
+    float8: bool = False,
 ) -> tuple[str, torch.dtype, RuleSet]:
     """Normalizes the accepted policy spellings to ``(device_type, low-precision dtype, rules)``."""
     if rules is None:
@@ -62,7 +78,7 @@ def resolve_policy(
         device_type = policy
     elif isinstance(policy, Policy | str):
         try:
-            pol = torch_policy(policy)
+            pol = torch_policy(policy, "autocast_graph or explain_fx", float8)
         except ValueError as err:
             raise ValueError(f"{_MSG_POLICY.format(got=policy)}. {err}") from None
         if dtype is not None:
