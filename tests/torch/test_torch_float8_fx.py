@@ -130,3 +130,50 @@ def test_recipes_without_a_torch_pass_are_refused(scaling):
     policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=fmp.Float8Recipe(scaling))
     with pytest.raises(NotImplementedError, match=rf"tensorwise.*rowwise.*{scaling}"):
         fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), policy)
+
+
+class _Plain(torch.nn.Module):
+    """The same layer written as ``x @ w``, ``torch.mm`` or ``torch.addmm`` against a ``[k, n]`` parameter."""
+
+    def __init__(self, lin: torch.nn.Linear, how: str) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(lin.weight.detach().t().clone())
+        self.b = torch.nn.Parameter(lin.bias.detach().clone())
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "matmul":
+            return x @ self.w + self.b
+        if self.how == "mm":
+            return torch.mm(x, self.w) + self.b
+        return torch.addmm(self.b, x, self.w)
+
+
+@pytest.mark.parametrize("how", ["matmul", "mm", "addmm"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_mm_addmm_matmul_against_a_parameter_equal_torchao_linear(scaling, how):
+    torch.manual_seed(3)
+    lin, x = torch.nn.Linear(16, 8), torch.randn(4, 16)
+    recipe = fmp.Float8Recipe(scaling, pow2_scales=TORCHAO_SCALES[scaling], output="float32")
+    out, (dw, db) = _run(_fmp(_Plain(lin, how), x, recipe), x)
+    ref, (ref_dw, ref_db) = _run(_torchao(lin, scaling), x)
+    assert torch.equal(out, ref) and torch.equal(dw, ref_dw.t()) and torch.equal(db, ref_db)
+
+
+@pytest.mark.parametrize("where", ["input", "weight"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_an_inf_gives_non_finite_results_where_torchao_has_them(scaling, where):
+    """An overflow stays visible: an inf operand never comes out as a saturated, finite, wrong product."""
+    x = torch.randn(4, 16)
+    model = _mlp()
+    if where == "input":
+        x[1, 3] = torch.inf
+    else:
+        with torch.no_grad():
+            model[0].weight[2, 5] = torch.inf
+    recipe = fmp.Float8Recipe(scaling, pow2_scales=TORCHAO_SCALES[scaling], output="float32")
+    out, grads = _run(_fmp(model, x, recipe), x)
+    ref, ref_grads = _run(_torchao(model, scaling), x)
+    assert not torch.isfinite(out).all()
+    for a, b in zip([out, *grads], [ref, *ref_grads], strict=True):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b))
