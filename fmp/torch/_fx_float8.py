@@ -12,6 +12,8 @@ gives scale 1, scales are clamped to normal float32 numbers, an inf or NaN makes
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -120,16 +122,28 @@ def _operands(node: torch.fx.Node, graph: torch.fx.Graph, attrs: dict[str, Any])
     return x, w, bias
 
 
-def rewrite_float8(gm: torch.fx.GraphModule, recipe: Float8Recipe, compute: torch.dtype) -> int:
-    """Replaces, in place, each matmul against a parameter in ``gm`` by ``float8_linear``; returns how many."""
+def rewrite_float8(
+    gm: torch.fx.GraphModule, recipe: Float8Recipe, compute: torch.dtype, opt_out: Sequence[str] = ()
+) -> tuple[int, set[str]]:
+    """Replaces, in place, each matmul against a parameter in ``gm`` by ``float8_linear``, except where the
+    parameter's module path (``lm_head`` for ``lm_head.weight``) contains a key of ``opt_out``.
+
+    Returns how many it replaced and the ``opt_out`` keys that matched a matmul.
+    """
     attrs = {n.target: _get(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     out = compute if recipe.output == "compute" else None
-    count = 0
+    count, used = 0, set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _MATMULS:
             continue
-        ops = _operands(node, gm.graph, attrs)
-        if ops is None or getattr(ops[0], "meta", {}).get("val", None) is None or ops[0].meta["val"].ndim < 1:
+        x = node.args[1] if node.target is _aten.addmm.default else node.args[0]
+        weight = node.args[2] if node.target is _aten.addmm.default else node.args[1]
+        if not _param(weight, attrs) or getattr(getattr(x, "meta", {}).get("val"), "ndim", 0) < 1:
+            continue
+        keys = {k for k in opt_out if k in weight.target.rpartition(".")[0]}
+        used |= keys
+        ops = None if keys else _operands(node, gm.graph, attrs)
+        if ops is None:
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(float8_linear, (*ops, recipe.scaling, recipe.pow2_scales, out))
@@ -140,15 +154,33 @@ def rewrite_float8(gm: torch.fx.GraphModule, recipe: Float8Recipe, compute: torc
         count += 1
     gm.graph.lint()
     gm.recompile()
-    return count
+    return count, used
 
 
-def refresh_meta(gm: torch.fx.GraphModule, mode: Any, device_type: str, dtype: torch.dtype) -> None:
-    """Recomputes every node's ``meta["val"]`` on fake tensors (a float8 result may be float32 where the trace
-    saw the compute dtype), under autocast as the trace ran, so that the cast pass sees the real dtypes."""
-    args = [mode.from_tensor(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
-    with ambient_autocast({device_type: (True, dtype)}), mode:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+_MSG_UNUSED = (
+    "autocast_fx(overrides=...): key {key!r} matches no module path of a float8 matmul's weight, so it changes "
+    "nothing; keys are substrings of parameter owner paths such as 'lm_head' or 'layers.0.mlp'."
+)
+
+
+def apply_float8(
+    gm: torch.fx.GraphModule,
+    recipe: Float8Recipe,
+    opt_out: Sequence[str],
+    device_type: str,
+    dtype: torch.dtype,
+    mode: Any,
+) -> None:
+    """``rewrite_float8``, then every node's ``meta["val"]`` recomputed on fake tensors under autocast as the
+    trace ran (a float8 result may be float32 where the trace saw the compute dtype), so that the cast pass
+    sees the real dtypes; warns for each ``opt_out`` key that matched no matmul."""
+    count, used = rewrite_float8(gm, recipe, dtype, opt_out)
+    if count:
+        args = [mode.from_tensor(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+        with ambient_autocast({device_type: (True, dtype)}), mode:
+            FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+    for key in sorted(set(opt_out) - used):
+        warnings.warn(_MSG_UNUSED.format(key=key), UserWarning, stacklevel=3)
 
 
 def _get(obj: Any, target: str) -> Any:

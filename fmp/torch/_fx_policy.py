@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -98,3 +99,32 @@ def resolve_policy(
             f"got {dtype!r}"
         )
     return device_type, _LOW[name], rules
+
+
+_MSG_OVERRIDES = (
+    "autocast_fx(overrides=...) opts modules out of float8: {{module_path_substring: policy}} with a float8 "
+    "policy and values without fp8 and the same compute dtype (e.g. {{'lm_head': 'mixed_bfloat16'}}); got "
+    "{key!r}: {value!r} under {policy!r}. {why}"
+)
+
+
+def float8_opt_outs(overrides: Any, policy: Any, recipe: Float8Recipe | None, compute: torch.dtype) -> tuple[str, ...]:
+    """The module-path keys of ``overrides`` (checked: each opts a module out of the float8 matmuls)."""
+    if overrides is None:
+        return ()
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must be a dict {{module_path_substring: policy}}, got {type(overrides).__name__}")
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"overrides keys must be non-empty module path strings ('lm_head'), got {key!r}")
+        pol = get_policy(value)
+        why = ""
+        if recipe is None:
+            why = "The policy runs no float8 matmul, so there is nothing to opt out of."
+        elif pol.fp8 is not None:
+            why = "A different float8 recipe per module is not supported on the torch side."
+        elif pol.compute_dtype.name != str(compute).removeprefix("torch."):
+            why = "Per-module compute dtypes are not supported on the torch side."
+        if why:
+            raise NotImplementedError(_MSG_OVERRIDES.format(key=key, value=str(value), policy=str(policy), why=why))
+    return tuple(overrides)

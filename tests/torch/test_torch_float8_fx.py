@@ -177,3 +177,28 @@ def test_an_inf_gives_non_finite_results_where_torchao_has_them(scaling, where):
     assert not torch.isfinite(out).all()
     for a, b in zip([out, *grads], [ref, *ref_grads], strict=True):
         assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+
+
+def _float8_calls(gm: torch.fx.GraphModule) -> int:
+    return sum(getattr(n.target, "__name__", "") == "float8_linear" for n in gm.graph.nodes)
+
+
+def test_overrides_opt_a_module_out_of_float8_by_its_path():
+    model, x = _mlp(), torch.randn(4, 16)
+    gm = fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"2": "mixed_bfloat16"})
+    assert _float8_calls(gm) == 1
+    hidden = torch.relu(fmp.torch.autocast_fx(model[0], (x,), "mixed_float8")(x))
+    ref = torch.nn.functional.linear(hidden, model[2].weight.bfloat16(), model[2].bias.bfloat16())
+    assert torch.equal(gm(x), ref)  # the opted-out layer is the plain bfloat16 linear
+
+
+def test_overrides_that_ask_for_more_than_an_opt_out_are_refused_and_unused_keys_warn():
+    model, x = _mlp(), torch.randn(4, 16)
+    for value in ("p=f32,c=bf16,o=f32,fp8=rowwise", "mixed_float16"):
+        with pytest.raises(NotImplementedError, match="opts modules out of float8"):
+            fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"2": value})
+    with pytest.raises(NotImplementedError, match="nothing to opt out of"):
+        fmp.torch.autocast_fx(model, (x,), "mixed_bfloat16", overrides={"2": "mixed_bfloat16"})
+    with pytest.warns(UserWarning, match="'lm_head' matches no module path"):
+        gm = fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"lm_head": "mixed_bfloat16"})
+    assert _float8_calls(gm) == 2
