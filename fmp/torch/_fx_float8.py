@@ -22,12 +22,14 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fmp._fp8._quant import _SCALE_MAX, _SCALE_MIN, E4M3, E5M2
 from fmp._fp8._recipe import Float8Recipe
-from fmp.torch._fx_common import ambient_autocast
+from fmp.torch._fx_common import Event, _float_names, ambient_autocast
 
 SUPPORTED = ("tensorwise", "rowwise")
+FLOAT8 = "fmp_float8"  # meta key of a float8 matmul node: its recipe and the op it replaced
 _aten = torch.ops.aten
 _MATMULS = (_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default)
 _FWD, _GRAD = getattr(torch, E4M3.name), getattr(torch, E5M2.name)
+_E4M3_NAME = E4M3.name
 
 _MSG_SCALING = (
     "fmp.torch.autocast_fx runs float8 recipes with scaling {supported}; got Float8Recipe(scaling={got!r}). "
@@ -148,7 +150,7 @@ def rewrite_float8(
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(float8_linear, (*ops, recipe.scaling, recipe.pow2_scales, out))
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        new.meta["fmp_float8"] = str(recipe)
+        new.meta[FLOAT8] = f"{recipe.scaling} ({node.target.name().split('.')[0]})"
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
@@ -181,6 +183,23 @@ def apply_float8(
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
     for key in sorted(set(opt_out) - used):
         warnings.warn(_MSG_UNUSED.format(key=key), UserWarning, stacklevel=3)
+
+
+def float8_events(graph: torch.fx.Graph, events: list[Event]) -> list[Event]:
+    """``events`` with a ``float8`` row for each float8 matmul of ``graph``, in graph order."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    rows = [
+        Event("fmp::float8_linear", "float8", n, n, _ins(n), (_E4M3_NAME, _E4M3_NAME), (), n.meta[FLOAT8])
+        for n in graph.nodes
+        if FLOAT8 in n.meta
+    ]
+    if not rows:
+        return events
+    return sorted([*events, *rows], key=lambda ev: order.get(ev.node, -1))
+
+
+def _ins(node: torch.fx.Node) -> tuple[str, ...]:
+    return _float_names([a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)])
 
 
 def _get(obj: Any, target: str) -> Any:

@@ -202,3 +202,15 @@ def test_overrides_that_ask_for_more_than_an_opt_out_are_refused_and_unused_keys
     with pytest.warns(UserWarning, match="'lm_head' matches no module path"):
         gm = fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"lm_head": "mixed_bfloat16"})
     assert _float8_calls(gm) == 2
+
+
+def test_explain_fx_shows_each_float8_matmul_with_its_recipe_and_the_float8_flop_share():
+    report = fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,fp8=rowwise")
+    rows = [r for r in report.records if r.category == "float8"]
+    assert [(r.op, r.detail, r.in_after, r.out_after) for r in rows] == [
+        ("fmp::float8_linear", "rowwise (aten::linear)", ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16",))
+    ] * 2
+    assert [r.flops for r in rows] == [2 * 4 * 16 * 32, 2 * 4 * 32 * 8]
+    assert report.summary["float8_flop_share"] == 1.0
+    with pytest.raises(NotImplementedError, match="delayed"):
+        fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,fp8=delayed")
