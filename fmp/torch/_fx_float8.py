@@ -12,6 +12,7 @@ gives scale 1, scales are clamped to normal float32 numbers, an inf or NaN makes
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from fmp._fp8._recipe import Float8Recipe
 from fmp.torch._fx_common import Event, _float_names, ambient_autocast
 
 SUPPORTED = ("tensorwise", "rowwise")
+# the recipe fields the pass reads (block_size, history_len and margin only matter to other scalings)
+_READ = {"scaling", "pow2_scales", "output", "block_size", "history_len", "margin"}
 FLOAT8 = "fmp_float8"  # meta key of a float8 matmul node: its recipe and the op it replaced
 _aten = torch.ops.aten
 _MATMULS = (_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default)
@@ -41,6 +44,12 @@ def check_recipe(recipe: Float8Recipe) -> Float8Recipe:
     """``recipe`` if the torch pass runs it; NotImplementedError naming the supported scalings otherwise."""
     if recipe.scaling not in SUPPORTED:
         raise NotImplementedError(_MSG_SCALING.format(supported=" or ".join(map(repr, SUPPORTED)), got=recipe.scaling))
+    for field in dataclasses.fields(recipe):  # a recipe field this pass does not read must keep its default
+        if field.name not in _READ and getattr(recipe, field.name) != field.default:
+            raise NotImplementedError(
+                f"fmp.torch.autocast_fx does not run Float8Recipe({field.name}="
+                f"{getattr(recipe, field.name)!r}) yet; leave it at its default {field.default!r} on the torch side."
+            )
     return recipe
 
 

@@ -214,3 +214,15 @@ def test_explain_fx_shows_each_float8_matmul_with_its_recipe_and_the_float8_flop
     assert report.summary["float8_flop_share"] == 1.0
     with pytest.raises(NotImplementedError, match="delayed"):
         fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,fp8=delayed")
+
+
+def test_a_recipe_field_the_torch_pass_does_not_read_is_refused_not_ignored():
+    @dataclasses.dataclass(frozen=True)
+    class Later(fmp.Float8Recipe):
+        extra: str = "default"
+
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=Later("tensorwise", extra="other"))
+    with pytest.raises(NotImplementedError, match=r"extra='other'"):
+        fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), policy)
+    ok = dataclasses.replace(policy, fp8=Later("tensorwise"))
+    assert fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), ok)(torch.ones(2, 4)).isfinite().all()
