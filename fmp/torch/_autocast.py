@@ -178,7 +178,8 @@ class autocast:  # noqa: N801 (torch's name)
       ValueError: ``device_type`` is not a str (torch's message), or ``dtype``
         disagrees with ``policy``.
       TypeError: ``rules`` is not a RuleSet.
-      NotImplementedError: ``policy`` is a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
+      NotImplementedError: ``policy`` is a float8 policy (``"mixed_float8"``): eager autocast has no
+        float8 (``autocast_fx`` has).
 
     Examples:
       >>> import torch, fmp.torch

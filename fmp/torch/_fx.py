@@ -9,7 +9,7 @@ post-dispatch graph has already decomposed away.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ from torch.utils import _pytree as pytree
 from fmp._core._rules import RuleSet
 from fmp.torch._fx_casts import GRAD_LEAF, is_grad_leaf
 from fmp.torch._fx_common import Event, ambient_autocast
-from fmp.torch._fx_policy import resolve_policy
+from fmp.torch._fx_float8 import apply_float8
+from fmp.torch._fx_policy import float8_opt_outs, float8_recipe, resolve_policy
 from fmp.torch._fx_rewrite import Rewriter
 from fmp.torch._fx_trace_errors import check_meta, check_outputs, raise_trace_failure, warn_traced_moves
 
@@ -108,7 +109,7 @@ def autocast_graph(
       ValueError, TypeError: a malformed policy or rule set; a graph without
         ``meta["val"]`` (``torch.fx.symbolic_trace``: the message names the
         node and the tracers that record it).
-      NotImplementedError: a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
+      NotImplementedError: a float8 policy (``"mixed_float8"``): use ``autocast_fx``.
       RuntimeError: a banned op (CUDA ``binary_cross_entropy``) under autocast.
 
     Warns:
@@ -257,6 +258,7 @@ def autocast_fx(
     device_type: str | None = None,
     dtype: Any = None,
     rules: RuleSet | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> torch.fx.GraphModule:
     """Traces ``fn_or_module`` and returns its graph with autocast's casts made explicit.
 
@@ -271,6 +273,12 @@ def autocast_fx(
     and non-tensor arguments to those of the example. Keyword arguments are not
     traced (bind them with ``functools.partial``).
 
+    A float8 policy (``"mixed_float8"``, any ``fmp.Float8Recipe`` with tensorwise or rowwise scaling)
+    turns each ``linear``/``mm``/``addmm``/``matmul`` whose second operand is a 2-D parameter into an
+    emulated float8 matmul: e4m3 operands, e5m2 output gradient, current scaling, float32 accumulation,
+    the result in the compute dtype (``output="float32"``: float32), as torchao's ``Float8Linear`` with
+    ``emulate=True`` computes it; other matmuls follow the compute dtype.
+
     Args:
       fn_or_module: A ``torch.nn.Module`` or a function of tensors.
       example_inputs: Tuple of positional arguments to trace with (only their
@@ -281,6 +289,10 @@ def autocast_fx(
       device_type: ``"cpu"`` or ``"cuda"``.
       dtype: ``torch.bfloat16`` or ``torch.float16``.
       rules: A custom ``fmp.RuleSet``; ``fmp.DEFAULT_RULES`` if None.
+      overrides: Under a float8 policy, ``{module_path_substring: policy}`` opts modules out of float8:
+        a matmul whose weight's module path (``lm_head`` for ``lm_head.weight``) contains a key runs in
+        the compute dtype. Values are policies without fp8 and with the same compute dtype
+        (``{"lm_head": "mixed_bfloat16"}``).
 
     Returns:
       A ``torch.fx.GraphModule``.
@@ -291,7 +303,11 @@ def autocast_fx(
         with ``use_cache=False``, e.g. through ``functools.partial``).
       RuntimeError: the program reads a tensor's value to choose what to run
         (``if x.max() > 0:``); the message names the line and the ways out.
-      NotImplementedError: a float8 policy (``"mixed_float8"``): fmp.torch has no float8 yet.
+      NotImplementedError: a float8 recipe other than ``"tensorwise"`` or ``"rowwise"``; an
+        ``overrides`` value that asks for more than opting a module out of float8.
+
+    Warns:
+      UserWarning: an ``overrides`` key matches no float8 matmul's module path.
 
     Examples:
       >>> import torch
@@ -301,8 +317,16 @@ def autocast_fx(
       torch.bfloat16
       >>> gm.weight is lin.weight
       True
+      >>> fp8 = fmp.torch.autocast_fx(lin, (torch.ones(2, 4),), "mixed_float8")
+      >>> [n.name for n in fp8.graph.nodes if n.op == "call_function" and "float8" in n.name]
+      ['float8_linear']
     """
-    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
+    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules, float8=True)
+    recipe = float8_recipe(policy)
+    opt_out = float8_opt_outs(overrides, policy, recipe, dtype)
     gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
-    return rewrite(bind_state(gm, module, names, codegen), device_type, dtype, rules)
+    bound = bind_state(gm, module, names, codegen)
+    if recipe is not None:
+        apply_float8(bound, recipe, opt_out, device_type, dtype, _fake_mode_of(bound.graph))
+    return rewrite(bound, device_type, dtype, rules)

@@ -75,6 +75,7 @@ class Event:
     in_before: tuple[str, ...]
     in_after: tuple[str, ...]
     out_before: tuple[str, ...]
+    detail: str = ""  # a float8 row: its recipe and the op it replaced
 
 
 def _float_names(vals: Any) -> tuple[str, ...]:

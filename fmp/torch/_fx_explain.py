@@ -16,11 +16,13 @@ from fmp._core._report import OpRecord, Report, short_source
 from fmp._core._rules import RuleSet
 from fmp.torch import _fx
 from fmp.torch._fx_common import Event, _float_names
+from fmp.torch._fx_float8 import apply_float8, float8_events
+from fmp.torch._fx_policy import float8_recipe
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
-_MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot"}
+_MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
 
 
 def _source(node: torch.fx.Node | None) -> str:
@@ -95,6 +97,7 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
                 out_before=ev.out_before,
                 out_after=_float_names(node.meta.get("val")),
                 flops=_flops(ev.op, node),
+                detail=ev.detail,
             )
         )
     return tuple(rows)
@@ -150,7 +153,8 @@ def explain_fx(
     Takes the arguments of `autocast_fx`. Each row gives the op
     (``aten::linear``), the user's source line, the rule (``lower_precision``,
     ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted cast,
-    ``user_cast`` for one the program makes), and the floating dtypes of its
+    ``user_cast`` for one the program makes, ``float8`` for a float8 matmul, whose
+    ``detail`` names its recipe and the op it replaced), and the floating dtypes of its
     inputs and outputs before and after the rewrite. ``str(report)`` is a table.
 
     Returns:
@@ -165,9 +169,13 @@ def explain_fx(
       [('aten::_to_copy', 'cast', ('bfloat16',)), ('aten::_to_copy', 'cast', ('bfloat16',)),
        ('aten::_to_copy', 'cast', ('bfloat16',)), ('aten::linear', 'lower_precision', ('bfloat16',))]
     """
-    device_type, dtype, rules = _fx.resolve_policy(policy, device_type, dtype, rules)
+    device_type, dtype, rules = _fx.resolve_policy(policy, device_type, dtype, rules, float8=True)
+    recipe = float8_recipe(policy)
     gm, names, codegen = _fx.trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
+    bound = _fx.bind_state(gm, module, names, codegen)
+    if recipe is not None:
+        apply_float8(bound, recipe, (), device_type, dtype, _fx._fake_mode_of(bound.graph))
     events: list[Event] = []
-    _fx.rewrite(_fx.bind_state(gm, module, names, codegen), device_type, dtype, rules, events)
-    return Report(records(events), _policy_name(device_type, dtype), "torch")
+    out = _fx.rewrite(bound, device_type, dtype, rules, events)
+    return Report(records(float8_events(out.graph, events)), _policy_name(device_type, dtype), "torch")

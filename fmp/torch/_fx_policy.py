@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
+from fmp._fp8._recipe import Float8Recipe
 from fmp._policy import Policy, get_policy
+from fmp.torch._fx_float8 import check_recipe
 
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -21,22 +24,35 @@ _MSG_POLICY = (
 
 
 _MSG_FLOAT8 = (
-    "policy {got!r} asks for float8 matmuls (fp8={fp8}), which fmp.torch does not run yet: it would quietly "
-    "compute in {compute} instead. Use a policy without fp8 here (e.g. 'mixed_bfloat16'), or run float8 on the "
-    "JAX side (fmp.autocast(fn, 'mixed_float8'))."
+    "policy {got!r} asks for float8 matmuls (fp8={fp8}), which {where} does not run: it would quietly "
+    "compute in {compute} instead. Use fmp.torch.autocast_fx(model, inputs, {got!r}) (tensorwise and rowwise "
+    "recipes), a policy without fp8 here (e.g. 'mixed_bfloat16'), or float8 on the JAX side "
+    "(fmp.autocast(fn, 'mixed_float8'))."
 )
 
 
-def torch_policy(policy: Policy | str) -> Policy:
-    """``get_policy(policy)``, refusing a float8 policy (the torch side has no float8 rewrite).
+def torch_policy(policy: Policy | str, where: str = "fmp.torch.autocast (eager)", float8: bool = False) -> Policy:
+    """``get_policy(policy)``; a float8 policy only with ``float8`` (and a recipe the FX pass runs).
 
     Raises:
-      NotImplementedError: the policy carries an fp8 recipe.
+      NotImplementedError: the policy carries an fp8 recipe and ``where`` runs none, or a recipe
+        the FX float8 pass does not run (blockwise, delayed, mx).
     """
     pol = get_policy(policy)
     if pol.fp8 is not None:
-        raise NotImplementedError(_MSG_FLOAT8.format(got=str(policy), fp8=pol.fp8, compute=pol.compute_dtype.name))
+        if not float8:
+            raise NotImplementedError(
+                _MSG_FLOAT8.format(got=str(policy), fp8=pol.fp8, compute=pol.compute_dtype.name, where=where)
+            )
+        check_recipe(pol.fp8)
     return pol
+
+
+def float8_recipe(policy: Any) -> Float8Recipe | None:
+    """The float8 recipe of an fmp ``Policy`` or spec (checked runnable by the FX pass), or None."""
+    if isinstance(policy, Policy | str) and not (isinstance(policy, str) and policy in TORCH_DEVICES):
+        return torch_policy(policy, float8=True).fp8
+    return None
 
 
 def resolve_policy(
@@ -44,6 +60,7 @@ def resolve_policy(
     device_type: str | None = None,
     dtype: Any = None,
     rules: RuleSet | None = None,
+    float8: bool = False,
 ) -> tuple[str, torch.dtype, RuleSet]:
     """Normalizes the accepted policy spellings to ``(device_type, low-precision dtype, rules)``."""
     if rules is None:
@@ -62,7 +79,7 @@ def resolve_policy(
         device_type = policy
     elif isinstance(policy, Policy | str):
         try:
-            pol = torch_policy(policy)
+            pol = torch_policy(policy, "autocast_graph or explain_fx", float8)
         except ValueError as err:
             raise ValueError(f"{_MSG_POLICY.format(got=policy)}. {err}") from None
         if dtype is not None:
@@ -82,3 +99,32 @@ def resolve_policy(
             f"got {dtype!r}"
         )
     return device_type, _LOW[name], rules
+
+
+_MSG_OVERRIDES = (
+    "autocast_fx(overrides=...) opts modules out of float8: {{module_path_substring: policy}} with a float8 "
+    "policy and values without fp8 and the same compute dtype (e.g. {{'lm_head': 'mixed_bfloat16'}}); got "
+    "{key!r}: {value!r} under {policy!r}. {why}"
+)
+
+
+def float8_opt_outs(overrides: Any, policy: Any, recipe: Float8Recipe | None, compute: torch.dtype) -> tuple[str, ...]:
+    """The module-path keys of ``overrides`` (checked: each opts a module out of the float8 matmuls)."""
+    if overrides is None:
+        return ()
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must be a dict {{module_path_substring: policy}}, got {type(overrides).__name__}")
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"overrides keys must be non-empty module path strings ('lm_head'), got {key!r}")
+        pol = get_policy(value)
+        why = ""
+        if recipe is None:
+            why = "The policy runs no float8 matmul, so there is nothing to opt out of."
+        elif pol.fp8 is not None:
+            why = "A different float8 recipe per module is not supported on the torch side."
+        elif pol.compute_dtype.name != str(compute).removeprefix("torch."):
+            why = "Per-module compute dtypes are not supported on the torch side."
+        if why:
+            raise NotImplementedError(_MSG_OVERRIDES.format(key=key, value=str(value), policy=str(policy), why=why))
+    return tuple(overrides)
