@@ -275,7 +275,7 @@ def autocast_fx(
 
     A float8 policy (``"mixed_float8"``, any ``fmp.Float8Recipe`` with tensorwise or rowwise scaling)
     turns each ``linear``/``mm``/``addmm``/``matmul`` whose second operand is a 2-D parameter into an
-    emulated float8 matmul: e4m3 operands, e5m2 output gradient, current scaling, float32 accumulation,
+    emulated float8 matmul: e4m3 operands, the recipe's gradient format, current scaling, float32 accumulation,
     the result in the compute dtype (``output="float32"``: float32), as torchao's ``Float8Linear`` with
     ``emulate=True`` computes it; other matmuls follow the compute dtype.
 

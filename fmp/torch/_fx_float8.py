@@ -4,7 +4,7 @@ The pass runs on the traced graph before the cast pass: each matmul whose weight
 ``Parameter`` (a ``get_attr`` node) becomes one call of ``float8_linear``, an autograd function that
 quantises both operands to ``float8_e4m3fn`` with current scaling (one scale per tensor, or per row of
 the input and per output row of the weight), multiplies the dequantised values in float32, and in the
-backward quantises the output gradient to ``float8_e5m2`` the same way. This is the arithmetic of
+backward quantises the output gradient to the recipe's ``grad_dtype`` the same way. This is the arithmetic of
 torchao's ``Float8Linear`` in ``emulate=True`` mode (scale from the amax in float64, saturating cast,
 dequantisation by division), with fmp's scale rules from the same recipe as the JAX side: a zero amax
 gives scale 1, scales are clamped to normal float32 numbers, an inf or NaN makes its scaling group NaN.
@@ -27,11 +27,11 @@ from fmp.torch._fx_common import Event, _float_names, ambient_autocast
 
 SUPPORTED = ("tensorwise", "rowwise")
 # the recipe fields the pass reads (block_size, history_len and margin only matter to other scalings)
-_READ = {"scaling", "pow2_scales", "output", "block_size", "history_len", "margin"}
+_READ = {"scaling", "pow2_scales", "grad_dtype", "output", "block_size", "history_len", "margin"}
 FLOAT8 = "fmp_float8"  # meta key of a float8 matmul node: its recipe and the op it replaced
 _aten = torch.ops.aten
 _MATMULS = (_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default)
-_FWD, _GRAD = getattr(torch, E4M3.name), getattr(torch, E5M2.name)
+_FWD = getattr(torch, E4M3.name)
 _E4M3_NAME = E4M3.name
 
 _MSG_SCALING = (
@@ -78,29 +78,37 @@ class _Float8MM(torch.autograd.Function):
     """``x[m, k] @ w_t[k, n]`` with float8-quantised operands; float32 result and gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_t: torch.Tensor, rowwise: bool, pow2: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, w_t: torch.Tensor, rowwise: bool, pow2: bool, grad: torch.dtype
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, w_t)
-        ctx.rowwise, ctx.pow2 = rowwise, pow2
+        ctx.rowwise, ctx.pow2, ctx.grad_dtype = rowwise, pow2, grad
         return torch.mm(qdq(x, _FWD, -1 if rowwise else None, pow2), qdq(w_t, _FWD, 0 if rowwise else None, pow2))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, w_t = ctx.saved_tensors
         rowwise, pow2 = ctx.rowwise, ctx.pow2
-        g_dx = qdq(grad, _GRAD, -1 if rowwise else None, pow2)
+        g_dx = qdq(grad, ctx.grad_dtype, -1 if rowwise else None, pow2)
         dx = torch.mm(g_dx, qdq(w_t, _FWD, -1 if rowwise else None, pow2).t())
-        g_dw = qdq(grad, _GRAD, 0 if rowwise else None, pow2)
+        g_dw = qdq(grad, ctx.grad_dtype, 0 if rowwise else None, pow2)
         dw_t = torch.mm(g_dw.t(), qdq(x, _FWD, 0 if rowwise else None, pow2)).t()
-        return dx.to(x.dtype), dw_t.to(w_t.dtype), None, None
+        return dx.to(x.dtype), dw_t.to(w_t.dtype), None, None, None
 
 
 def float8_linear(
-    x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None, scaling: str, pow2: bool, out: torch.dtype | None
+    x: torch.Tensor,
+    w_t: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: str,
+    pow2: bool,
+    out: torch.dtype | None,
+    grad: str = E5M2.name,
 ) -> torch.Tensor:
     """``x @ w_t (+ bias)`` as a float8 matmul; ``w_t[k, n]`` is the weight, ``out`` the result dtype
-    (None: float32), ``bias`` added in that dtype."""
+    (None: float32), ``bias`` added in that dtype, ``grad`` the output gradient's float8 format."""
     shape = x.shape
-    y = _Float8MM.apply(x.reshape(-1, shape[-1]), w_t, scaling == "rowwise", pow2)
+    y = _Float8MM.apply(x.reshape(-1, shape[-1]), w_t, scaling == "rowwise", pow2, getattr(torch, grad))
     y = y.reshape(*shape[:-1], y.shape[-1])
     if out is not None:
         y = y.to(out)
@@ -157,7 +165,7 @@ def rewrite_float8(
         if ops is None:
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(float8_linear, (*ops, recipe.scaling, recipe.pow2_scales, out))
+            new = gm.graph.call_function(float8_linear, (*ops, recipe.scaling, recipe.pow2_scales, out, recipe.grad_dtype))
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta[FLOAT8] = f"{recipe.scaling} ({node.target.name().split('.')[0]})"
         node.replace_all_uses_with(new)

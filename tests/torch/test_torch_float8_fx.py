@@ -82,6 +82,20 @@ def test_rowwise_gradient_format_is_the_documented_difference_from_torchao_rowwi
     assert not torch.equal(grads[0], ref_grads[0])
 
 
+@pytest.mark.parametrize("recipe", [
+    fmp.Float8Recipe("rowwise", output="float32", grad_dtype="float8_e4m3fn"),
+    fmp.Float8Recipe.from_peer("torchao_rowwise", output="float32"),
+])
+def test_e4m3_gradients_equal_torchao_named_rowwise_recipe(recipe):
+    """With ``grad_dtype="float8_e4m3fn"`` (what ``from_peer("torchao_rowwise")`` sets), fmp's rowwise equals
+    torchao's named rowwise recipe bit for bit, gradients included."""
+    x = torch.randn(4, 16) * 3
+    out, grads = _run(_fmp(_mlp(), x, recipe), x)
+    ref, ref_grads = _run(_torchao(_mlp(), "rowwise", e5m2_grads=False), x)
+    assert torch.equal(out, ref)
+    assert len(grads) == 3 and all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+
+
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_twenty_sgd_steps_keep_parameters_equal_to_torchao(scaling):
     torch.manual_seed(2)
