@@ -255,3 +255,23 @@ def test_mx_recipe_has_a_clear_error_off_gpu():
         pytest.skip("this checks the error raised where scaled_dot_general has no lowering; running on a GPU")
     with pytest.raises(ValueError, match="scaled_dot_general.*no lowering"):
         fp8_dot_general(jnp.ones((2, 32)), jnp.ones((32, 2)), DN, fmp.Float8Recipe("mx"), F32)
+
+
+def test_quantisation_is_traced_once_per_shape_not_once_per_matmul(monkeypatch):
+    calls = []
+    first = _quant.qdq_first
+    monkeypatch.setattr(_quant, "qdq_first", lambda *a, **k: calls.append(1) or first(*a, **k))
+
+    def stack(ws, x):  # four layers of the same shape
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x.astype(jnp.float32))
+
+    ws = [jnp.eye(19) * (i + 1) for i in range(4)]  # shapes no other test uses: JAX's cache starts cold
+    x = jnp.ones((5, 19))
+    got = jax.jit(jax.value_and_grad(fmp.autocast(stack, "mixed_float8")))(ws, x)
+    # once per shape and dtype (the first layer's float32 input is a dtype of its own): 5 here, and 12 when
+    # the quantisation's ops were traced for every matmul
+    assert len(calls) <= 6
+    plain = jax.value_and_grad(stack)(ws, x)
+    np.testing.assert_allclose(got[0], plain[0], rtol=0.1)

@@ -184,12 +184,18 @@ def test_float8_guide_examples_run(capsys):
 
     text = (ROOT / "docs" / "guides" / "float8.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
-    assert len(blocks) >= 4
+    assert len(blocks) >= 6
     namespace: dict = {}
     with jax.numpy_dtype_promotion("standard"):  # documentation code is written for JAX's default promotion
         for block in blocks:
             exec(compile(block, "docs/guides/float8.md", "exec"), namespace)  # noqa: S102
     assert "float8:rowwise" in capsys.readouterr().out
+    # the plain-JAX, linen and nnx delayed train steps each ran three steps and recorded every site's amaxes
+    for loss in ("mlp_loss", "linen_loss", "nnx_loss"):
+        assert loss in namespace
+    state = namespace["state"]  # the nnx model's, after its three steps
+    assert len(state.sites) == 2 and bool(jnp.all(state.amax_history[..., :3] > 0))
+    assert not bool(jnp.any(state.amax_history[..., 3:]))
 
 
 def test_explain_labels_delayed_sites_only_with_a_state():

@@ -35,6 +35,9 @@ _MSG_MX_BACKEND = (
 F32 = jnp.dtype(jnp.float32)
 
 
+# jitted: traced once per shape, dtype and recipe, then reused from JAX's cache for every matmul alike (the
+# layers of a model repeat their shapes), which keeps the quantisation's ops out of each site's own trace
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
 def _product(
     a: jax.Array, b: jax.Array, da: Any, db: Any, scaling: str, block: int, pow2: bool, b_tiles: bool = False
 ) -> jax.Array:
