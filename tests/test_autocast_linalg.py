@@ -247,5 +247,5 @@ def test_explain_rows_in_a_float32_body_say_why() -> None:
     # no row runs a lower_precision op in float32 without saying why
     assert not [r for r in rows if r.category == "lower_precision" and r.out_after == ("float32",) and not r.detail]
     moved = fmp.explain(f, rules=fmp.DEFAULT_RULES.derive(unlisted=["custom_linear_solve"]))(x, w).records
-    assert not [r for r in moved if r.detail]
+    assert not [r for r in moved if "custom_linear_solve" in r.detail]  # (other rows may say why they are no epilogue)
     assert sum(r.op == "dot_general" and r.out_after == ("bfloat16",) for r in moved) >= 3
