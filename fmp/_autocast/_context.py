@@ -95,6 +95,9 @@ class Context:
     leaf: Leaf | None = None
     # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._fp8._state)
     fp8_sites: Any = None
+    # the float8 scope rule: id(body jaxpr) -> which of its inputs are weights, for the bodies of the
+    # higher-order equation being rewritten (``_weights.body_weights``)
+    weights_in: Mapping[int, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
@@ -129,8 +132,16 @@ def source_of(eqn: JaxprEqn, ctx: Context) -> str:
     return _rows.source(eqn, ctx.tracebacks[-1] if ctx.tracebacks else None)
 
 
-def record_eqn(eqn: JaxprEqn, ctx: Context, scope: str, category: str, invals: Sequence[Any], outs: Sequence[Any]):
-    """Adds an explain row for ``eqn`` (when recording)."""
+def record_eqn(
+    eqn: JaxprEqn,
+    ctx: Context,
+    scope: str,
+    category: str,
+    invals: Sequence[Any],
+    outs: Sequence[Any],
+    why: str = "",
+):
+    """Adds an explain row for ``eqn`` (when recording); ``why``: the float8 scope rule's reason."""
     if ctx.records is None:
         return
     ctx.record(
@@ -143,6 +154,7 @@ def record_eqn(eqn: JaxprEqn, ctx: Context, scope: str, category: str, invals: S
         out_before=float_names([v.aval for v in eqn.outvars]),
         out_after=float_names([aval_of(x) for x in outs]),
         flops=_rows.flops(eqn),
+        why=why,
     )
 
 

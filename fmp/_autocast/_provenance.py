@@ -31,6 +31,8 @@ from fmp._autocast._lru import LRU
 
 # Ops a value is traced back through: they move or re-view it without computing on it.
 PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
+# Ops a weight is recognised through (the float8 scope rule): re-views, casts and fmp's rounding marks.
+WEIGHT_VIEWS = PASS_THROUGH | {"reduce_precision", "copy", "copy_p"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,9 @@ class Frame:
     uses: Mapping[Any, int] = dataclasses.field(default_factory=dict)
     # id(equation) -> its epilogue sides as seen from the caller's program (a helper body rewritten alone)
     hints: Mapping[int, tuple[bool, bool]] = dataclasses.field(default_factory=dict)
+    # variable -> how it names a weight ("input 2"): inputs of the autocast function and constants, and the
+    # inputs of a body that receive one (the float8 scope rule)
+    weights: Mapping[Any, str] = dataclasses.field(default_factory=dict)
 
 
 # id(jaxpr) -> (jaxpr, its producers, its use counts); holds the jaxpr, so its id is not reused while cached
@@ -99,7 +104,9 @@ def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] 
     if parent is None or operands is None:
         return Frame(own, {}, uses)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
-    return Frame(collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias), uses)
+    return Frame(
+        collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias), uses, {}, parent.weights
+    )
 
 
 def used_once(var: Any, frame: Frame) -> bool:
@@ -120,7 +127,7 @@ def _up(var: Any, frame: Frame) -> Any:
     return var
 
 
-def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
+def root(var: Any, frame: Frame, through: frozenset[str] = PASS_THROUGH) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
     """``(root, eqn, path)``: the value ``var`` re-views, the equation that computed it, and the walk's path.
 
     ``eqn`` is None for a program input or a literal. ``path`` holds every
@@ -140,9 +147,19 @@ def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
             k = next(i for i, o in enumerate(eqn.outvars) if o is var)
             frame, var = frame_of(body, frame, eqn.invars), body.outvars[k]
             continue
-        if eqn is None or eqn.primitive.name not in PASS_THROUGH:
+        if eqn is None or eqn.primitive.name not in through:
             return var, eqn, frozenset(path)
         var = eqn.invars[0]
+
+
+def weight_of(var: Any, frame: Frame) -> str | None:
+    """How ``var`` names the weight it re-views (``"input 1"``, ``"constant"``: a literal broadcast, as
+    ``jnp.ones``), or None for an activation: a value computed from something other than a weight, through
+    casts, reshapes, transposes and broadcasts."""
+    r, made, _ = root(var, frame, WEIGHT_VIEWS) if not isinstance(var, Literal) else (var, None, None)
+    if made is not None:
+        return None
+    return "constant" if isinstance(r, Literal) else frame.weights.get(r)
 
 
 def depends(var: Any, on: frozenset[Any], frame: Frame) -> bool:

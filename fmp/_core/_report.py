@@ -35,6 +35,9 @@ class OpRecord:
       flops: Estimated floating-point operations (0 when unknown or negligible).
       detail: Extra facts about the decision; for a ``float8`` row, the scaling
         recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...).
+      why: For a matmul or convolution under a float8 policy, which side of the float8
+        scope rule it fell on and why: ``"weight operand (rhs: input 1)"``,
+        ``"activation x activation (...)"`` or ``"activations=True"``; ``""`` otherwise.
       source_full: ``source`` with the file's full path.
     """
 
@@ -50,6 +53,7 @@ class OpRecord:
     flops: float = 0.0
     detail: str = ""
     source_full: str = ""
+    why: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -152,7 +156,7 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
         (
             str(r.index),
             r.op,
-            f"{r.category}:{r.detail}" if r.detail else r.category,
+            (f"{r.category}:{r.detail}" if r.detail else r.category) + (f" [{r.why}]" if r.why else ""),
             _dtypes(r.in_before),
             _dtypes(r.in_after),
             _dtypes(r.out_before),
