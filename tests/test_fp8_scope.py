@@ -64,14 +64,15 @@ def test_activations_true_puts_every_matmul_in_float8():
     assert rows == [("float8", "activations=True")] * 5
 
 
-def test_weight_seen_through_reshape_transpose_and_astype():
+def test_weight_seen_through_slice_reshape_transpose_and_astype():
     x, w = _weights()
 
-    def f(x, w):
-        wt = w["q"].reshape(4, 4, 16).reshape(16, 16).T.astype(BF16)
+    def f(x, stack):  # stack[0]: a slice of stacked layer weights
+        wt = stack[0].reshape(4, 4, 16).reshape(16, 16).T.astype(BF16)
         return jnp.tanh(x).astype(BF16) @ jnp.broadcast_to(wt, (16, 16))  # tanh(x): an activation
 
-    assert _dots(fmp.explain(f, "mixed_float8")(x, w)) == [("float8", "weight operand")]
+    stack = jnp.stack([w["q"], w["k"]])
+    assert _dots(fmp.explain(f, "mixed_float8")(x, stack)) == [("float8", "weight operand")]
 
 
 def test_two_inputs_of_the_function_are_both_weights():

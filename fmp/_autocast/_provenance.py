@@ -31,8 +31,9 @@ from fmp._autocast._lru import LRU
 
 # Ops a value is traced back through: they move or re-view it without computing on it.
 PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
-# Ops a weight is recognised through (the float8 scope rule): re-views, casts and fmp's rounding marks.
-WEIGHT_VIEWS = PASS_THROUGH | {"reduce_precision", "copy", "copy_p"}
+# Ops a weight is recognised through (the float8 scope rule): re-views, casts, fmp's rounding marks, slices of
+# a stack of layer weights (`ws[i]`).
+WEIGHT_VIEWS = PASS_THROUGH | {"reduce_precision", "copy", "copy_p", "slice", "dynamic_slice"}
 
 
 @dataclasses.dataclass(frozen=True)

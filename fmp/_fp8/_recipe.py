@@ -97,7 +97,7 @@ class Float8Recipe:
       activations: Which matmuls and convolutions run in float8. ``False`` (the default, as
         torchao, Transformer Engine and flax do): only those with a weight operand, an input
         of the autocast function (a parameter leaf) or a constant, seen through casts,
-        reshapes, transposes, broadcasts and scan slices; attention's activation x
+        reshapes, transposes, broadcasts, slices and scan slices; attention's activation x
         activation products (``q @ k.T``, ``p @ v``) stay in the compute dtype.
         ``True``: every matmul and convolution.
 
