@@ -102,6 +102,9 @@ class Context:
     # why the equations of the body being rewritten run under ``policy`` when an enclosing rule chose it
     # (a float32 custom_linear_solve's bodies): the ``detail`` of their explain rows
     reason: str = ""
+    # the float8 scope rule: id(body jaxpr) -> which of its inputs are weights, for the bodies of the
+    # higher-order equation being rewritten (``_weights.body_weights``)
+    weights_in: Mapping[int, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
 
     def resolve(self, scope: str) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
@@ -146,8 +149,9 @@ def record_eqn(
     invals: Sequence[Any],
     outs: Sequence[Any],
     detail: str = "",
+    why: str = "",
 ):
-    """Adds an explain row for ``eqn`` (when recording)."""
+    """Adds an explain row for ``eqn`` (when recording); ``why``: the float8 scope rule's reason."""
     if ctx.records is None:
         return
     ctx.record(
@@ -161,6 +165,7 @@ def record_eqn(
         out_after=float_names([aval_of(x) for x in outs]),
         flops=_rows.flops(eqn),
         detail=detail,
+        why=why,
     )
 
 

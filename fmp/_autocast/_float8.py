@@ -21,12 +21,15 @@ from fmp._fp8 import _bind as _fp8
 from fmp._policy import Policy
 
 
-def float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy, out_dtype: Any) -> list[Any]:
+def float8(
+    eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy, out_dtype: Any, why: str = ""
+) -> list[Any]:
     """A float8-category op quantised from its inputs as they come (a float32 parameter from float32).
 
     ``out_dtype`` is the compute dtype (or the op's preferred element type mapped to it); a recipe with
     ``output="float32"`` overrides it. Delayed scaling takes one history row per ``dot_general`` from the
-    feeder of the body it is in (``_fp8_rows``: a scan body's row is its iteration's).
+    feeder of the body it is in (``_fp8_rows``: a scan body's row is its iteration's). ``why``: the scope
+    rule's reason (``_leaf._float8_scope``), for the explain row.
     """
     recipe = policy.fp8
     if recipe.output == "float32":
@@ -46,5 +49,6 @@ def float8(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: P
             out_after=float_names([aval_of(x) for x in outs]),
             flops=_rows.flops(eqn),
             detail=_fp8.scaling_label(recipe, eqn.primitive.name, site),
+            why=why,
         )
     return outs

@@ -29,6 +29,7 @@ from fmp._autocast._cast import cast, restore
 from fmp._autocast._context import REGION_SCOPE, Context, record_eqn
 from fmp._autocast._lru import LRU
 from fmp._autocast._provenance import frame_of, is_inline_call
+from fmp._autocast._weights import body_weights, frame_weights, top_weights
 
 # Primitives whose sub-jaxpr is a scalar combiner typed for the original dtype,
 # not user code: they run in the dtypes of the original program, unchanged.
@@ -99,6 +100,9 @@ def eval_jaxpr(
     inlined = call is not None and bool(ctx.frames) and bool(ctx.memos)
     ctx.memos.append(ctx.memos[-1] if inlined else {})  # a value cast for two uses is cast once
     frame = frame_of(jaxpr, ctx.frames[-1], call.invars) if inlined and call else frame_of(jaxpr)
+    if not (inlined and call):
+        named = frame_weights(jaxpr, ctx.weights_in.get(id(jaxpr))) if ctx.frames else top_weights(jaxpr)
+        frame = dataclasses.replace(frame, weights=named)
     if hints:
         frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
     if jaxpr.constvars:
@@ -149,7 +153,8 @@ def transform_closed(
     key = None
     if ctx.records is None and not closed.consts and ctx.fp8_sites is None and rows is None:
         dts = None if out_dtypes is None else tuple(out_dtypes)
-        key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts, hints)
+        marks = ctx.weights_in.get(id(closed.jaxpr))
+        key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts, hints, marks)
         hit = _CACHE.get(key)
         if hit is not None:
             return hit
@@ -237,9 +242,18 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     handler = ctx.handlers.get(prim)
     if handler is not None:
         sub = dataclasses.replace(ctx, policy=policy) if mode == "override" else ctx
+        if _scoped_float8(ctx):
+            sub = dataclasses.replace(sub, weights_in=body_weights(eqn, ctx.frames[-1]))
         return handler(eqn, invals, sub, scope)
     if next(iter(jaxprs_in_params(eqn.params)), None) is not None:
         raise NotImplementedError(_MSG_UNHANDLED.format(name=prim.name))
     if ctx.leaf is None:
         raise TypeError("fmp.autocast: a Context needs its rules; build it with _transform.make_context")
     return ctx.leaf(eqn, invals, ctx, scope, policy)
+
+
+def _scoped_float8(ctx: Context) -> bool:
+    """Whether float8 decisions look for weight operands (a recipe here or in an override, not opted into
+    activation products); the bodies of a higher-order equation then learn which of their inputs are weights."""
+    recipes = [p.fp8 for p in (ctx.policy, *(pol for _, pol in ctx.overrides)) if p.fp8 is not None]
+    return bool(ctx.frames) and any(not r.activations for r in recipes)

@@ -26,7 +26,7 @@ from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, is
 from fmp._autocast._dims import contracted_size
 from fmp._autocast._float8 import float8
 from fmp._autocast._interp import bind
-from fmp._autocast._provenance import BIAS, NOT_LOW, epilogue_sides
+from fmp._autocast._provenance import BIAS, NOT_LOW, epilogue_sides, weight_of
 from fmp._core import _dtypes
 from fmp._core._rules import Category, decide
 from fmp._policy import Policy
@@ -90,11 +90,14 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
     target = decide(category, compute, strong)
+    why = ""
     if category is Category.FLOAT8:
         if target is not None and policy.fp8 is not None and len(floats) == len(invals) == 2:
-            out = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
-            return float8(eqn, invals, ctx, scope, policy, out)
-        # no fp8 recipe, or nothing to cast (float64 inputs): an ordinary lower_precision op, not a float8 one
+            why = _float8_scope(eqn, ctx, policy)
+            if not why.startswith(_ACTIVATIONS):
+                out = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
+                return float8(eqn, invals, ctx, scope, policy, out, why)
+        # no fp8 recipe, nothing to cast (float64 inputs), or two activations: an ordinary lower_precision op
         category = Category.LOWER_PRECISION
     rule = category.value
     if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue:
@@ -123,7 +126,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     if target is not None and params.get("preferred_element_type") is not None:
         params["preferred_element_type"] = _preferred(eqn, target)
     outs = bind(eqn, new, params)
-    record_eqn(eqn, ctx, scope, rule, new, outs, detail=detail)
+    record_eqn(eqn, ctx, scope, rule, new, outs, detail=detail, why=why)
     return outs
 
 
@@ -157,6 +160,22 @@ def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
     # every input already in the target type (so the epilogue rule, which needs an input in the compute
     # dtype and a target other than it, cannot apply either)
     return all(dtype_name(avals[i].dtype) == target for i in floats)
+
+
+_ACTIVATIONS = "activation x activation"
+
+
+def _float8_scope(eqn: JaxprEqn, ctx: Context, policy: Policy) -> str:
+    """Why a float8-category op runs in float8 or not (the float8 scope rule, ``_weights``), for explain:
+    ``"weight operand (rhs: input 1)"``, ``"activations=True"`` or ``"activation x activation (...)"``."""
+    if policy.fp8.activations:
+        return "activations=True"
+    frame = ctx.frames[-1] if ctx.frames else None
+    for side, var in reversed(list(zip(("lhs", "rhs"), eqn.invars, strict=False))):
+        named = weight_of(var, frame) if frame is not None else None
+        if named is not None:
+            return f"weight operand ({side}: {named})"
+    return f"{_ACTIVATIONS} (Float8Recipe(activations=True) puts it in float8)"
 
 
 def _epilogue(eqn: JaxprEqn, cur: Sequence[Any], ctx: Context, compute: str) -> str:

@@ -32,6 +32,9 @@ from fmp._autocast._lru import LRU
 
 # Ops a value is traced back through: they move or re-view it without computing on it.
 PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "transpose"})
+# Ops a weight is recognised through (the float8 scope rule): re-views, casts, fmp's rounding marks, slices of
+# a stack of layer weights (`ws[i]`).
+WEIGHT_VIEWS = PASS_THROUGH | {"reduce_precision", "copy", "copy_p", "slice", "dynamic_slice"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,9 @@ class Frame:
     consts: Mapping[Any, Any] = dataclasses.field(default_factory=dict)
     # variable -> ``_constants.bound`` of it, filled as the rewrite asks
     bounds: dict[Any, float | None] = dataclasses.field(default_factory=dict)
+    # variable -> how it names a weight ("input 2"): inputs of the autocast function and constants, and the
+    # inputs of a body that receive one (the float8 scope rule)
+    weights: Mapping[Any, str] = dataclasses.field(default_factory=dict)
 
 
 # id(jaxpr) -> (jaxpr, its producers, its use counts); holds the jaxpr, so its id is not reused while cached
@@ -106,7 +112,7 @@ def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] 
         return Frame(own, {}, uses)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
     producers, aliases = collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias)
-    return Frame(producers, aliases, uses, consts=parent.consts)
+    return Frame(producers, aliases, uses, consts=parent.consts, weights=parent.weights)
 
 
 def used_once(var: Any, frame: Frame) -> bool:
@@ -127,7 +133,9 @@ def up(var: Any, frame: Frame) -> Any:
     return var
 
 
-def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
+def root(
+    var: Any, frame: Frame, through: frozenset[str] = PASS_THROUGH
+) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
     """``(root, eqn, path)``: the value ``var`` re-views, the equation that computed it, and the walk's path.
 
     ``eqn`` is None for a program input or a literal. ``path`` holds every
@@ -135,10 +143,12 @@ def root(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
     outputs of the inline calls, what they re-view, the root): a value
     computed from any of them is computed from the root.
     """
-    return _walk(var, frame)[:3]
+    return _walk(var, frame, through)[:3]
 
 
-def _walk(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any], list[JaxprEqn]]:
+def _walk(
+    var: Any, frame: Frame, through: frozenset[str] = PASS_THROUGH
+) -> tuple[Any, JaxprEqn | None, frozenset[Any], list[JaxprEqn]]:
     """``root``'s answer and the pass-through equations walked, from the root's consumer to ``var``."""
     path: set[Any] = set()
     steps: list[JaxprEqn] = []
@@ -151,7 +161,7 @@ def _walk(var: Any, frame: Frame) -> tuple[Any, JaxprEqn | None, frozenset[Any],
         if eqn is not None and is_inline_call(eqn):
             frame, var = into(eqn, var, frame)
             continue
-        if eqn is None or eqn.primitive.name not in PASS_THROUGH:
+        if eqn is None or eqn.primitive.name not in through:
             return var, eqn, frozenset(path), steps[::-1]
         steps.append(eqn)
         var = eqn.invars[0]
@@ -162,6 +172,16 @@ def into(call: JaxprEqn, out: Any, frame: Frame) -> tuple[Frame, Any]:
     body = call.params["jaxpr"].jaxpr
     k = next(i for i, o in enumerate(call.outvars) if o is out)
     return frame_of(body, frame, call.invars), body.outvars[k]
+
+
+def weight_of(var: Any, frame: Frame) -> str | None:
+    """How ``var`` names the weight it re-views (``"input 1"``, ``"constant"``: a literal broadcast, as
+    ``jnp.ones``), or None for an activation: a value computed from something other than a weight, through
+    casts, reshapes, transposes and broadcasts."""
+    r, made, _ = root(var, frame, WEIGHT_VIEWS) if not isinstance(var, Literal) else (var, None, None)
+    if made is not None:
+        return None
+    return "constant" if isinstance(r, Literal) else frame.weights.get(r)
 
 
 def depends(var: Any, on: frozenset[Any], frame: Frame) -> bool:

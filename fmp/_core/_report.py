@@ -37,6 +37,9 @@ class OpRecord:
         recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...); for a
         row inside a body that an enclosing rule runs under another policy (a
         ``custom_linear_solve``'s bodies run in float32), that rule.
+      why: For a matmul or convolution under a float8 policy, which side of the float8
+        scope rule it fell on and why: ``"weight operand (rhs: input 1)"``,
+        ``"activation x activation (...)"`` or ``"activations=True"``; ``""`` otherwise.
       source_full: ``source`` with the file's full path.
       error: With ``compare=True``: relative L2 error of the op's floating
         outputs against the same values of the program as written (error
@@ -68,6 +71,7 @@ class OpRecord:
     flops: float = 0.0
     detail: str = ""
     source_full: str = ""
+    why: str = ""
     error: float | None = None
     added_error: float | None = None
     sqnr_db: float | None = None
@@ -230,7 +234,7 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
         (
             str(r.index),
             r.op,
-            f"{r.category}:{r.detail}" if r.detail else r.category,
+            (f"{r.category}:{r.detail}" if r.detail else r.category) + (f" [{r.why}]" if r.why else ""),
             _dtypes(r.in_before),
             _dtypes(r.in_after),
             _dtypes(r.out_before),

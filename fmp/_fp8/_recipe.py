@@ -94,12 +94,20 @@ class Float8Recipe:
         Transformer Engine's ``DelayedScaling`` names them.
       output: ``"compute"``: matmul results come out in the policy's compute dtype, as
         under the bfloat16 policy; ``"float32"``: in float32.
+      activations: Which matmuls and convolutions run in float8. ``False`` (the default, as
+        torchao, Transformer Engine and flax do): only those with a weight operand, an input
+        of the autocast function (a parameter leaf) or a constant, seen through casts,
+        reshapes, transposes, broadcasts, slices and scan slices; attention's activation x
+        activation products (``q @ k.T``, ``p @ v``) stay in the compute dtype.
+        ``True``: every matmul and convolution.
 
     Examples:
       >>> fmp.Float8Recipe("rowwise").scaling
       'rowwise'
       >>> fmp.Float8Recipe("rowwise", grad_dtype="float8_e4m3fn").grad_dtype
       'float8_e4m3fn'
+      >>> fmp.Float8Recipe("tensorwise").activations
+      False
       >>> str(fmp.get_policy("mixed_float8"))
       'params=float32,compute=bfloat16,output=float32,fp8=tensorwise'
     """
@@ -112,6 +120,7 @@ class Float8Recipe:
     output: str = "compute"
     grad_dtype: str = "float8_e5m2"
     amax_compute_algo: str = "max"
+    activations: bool = False
     PEERS: ClassVar[tuple[str, ...]] = tuple(PEER_RECIPES)
 
     def __post_init__(self) -> None:
@@ -132,6 +141,8 @@ class Float8Recipe:
             raise ValueError(f"Float8Recipe(pow2_scales=...) must be True or False, got {self.pow2_scales!r}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool) or not 0 <= self.margin <= 64:
             raise ValueError(f"Float8Recipe(margin=...) must be an int from 0 to 64 (usually 0-2), got {self.margin!r}")
+        if not isinstance(self.activations, bool):
+            raise ValueError(f"Float8Recipe(activations=...) must be True or False, got {self.activations!r}")
         if self.output not in ("compute", "float32"):
             raise ValueError(f"Float8Recipe(output=...) must be 'compute' or 'float32', got {self.output!r}")
 
