@@ -75,7 +75,10 @@ def test_autocast_modules_form_no_cycle():
                 deps.update(m for m in mods if (pkg / f"{m}.py").exists())
     assert graph["_context"] <= {"_rows", "_provenance"}, graph["_context"]
     assert graph["_cast"] <= {"_context", "_jax_internals", "_lru"}, graph["_cast"]
-    assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru"}, graph["_interp"]
+    assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru", "_weights"}, graph[
+        "_interp"
+    ]
+    assert graph["_weights"] <= {"_provenance"}, graph["_weights"]  # which body inputs are weights (float8 scope)
     assert graph["_provenance"] <= {"_lru", "_dims"}, graph["_provenance"]
     assert graph["_lru"] == set(), graph["_lru"]
     assert graph["_dims"] == set(), graph["_dims"]  # dimension arithmetic of a dot_general: a leaf module
