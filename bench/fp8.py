@@ -45,8 +45,15 @@ def gpu_matmul(n: int = 8192, repeats: int = 20) -> None:
     fns = {
         "bf16": jax.jit(lambda a, b: jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)),
         "fp8 tensorwise": jax.jit(lambda a, b: fp8_dot_general(a, b, dn, fmp.Float8Recipe(), jnp.bfloat16)),
+        "fp8 rowwise": jax.jit(lambda a, b: fp8_dot_general(a, b, dn, fmp.Float8Recipe("rowwise"), jnp.bfloat16)),
+        "fp8 tensorwise, emulate=True": jax.jit(
+            lambda a, b: fp8_dot_general(a, b, dn, fmp.Float8Recipe(emulate=True), jnp.bfloat16)
+        ),
     }
     for name, f in fns.items():
+        hlo = f.lower(x, w).compile().as_text() or ""
+        f8 = sum(1 for line in hlo.splitlines() if "matmul$f8" in line or (" dot(" in line and "f8e" in line))
+        print(f"{name}: {f8} matmul(s) with float8 operands in the compiled program")
         jax.block_until_ready(f(x, w))
         t0 = time.perf_counter()
         for _ in range(repeats):

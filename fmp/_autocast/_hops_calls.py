@@ -131,13 +131,13 @@ def handlers() -> dict[Any, Handler]:
     """The handlers of this module, keyed by primitive (refused ones raise)."""
     prims = _jax_internals.primitives_by_name()
     out: dict[Any, Handler] = {}
-    for name, handler in (
-        ("custom_linear_solve", _linear_solve),
-        ("closed_call", _closed_call),
-        ("call", _call),
-        ("composite", _composite),
-    ):
-        out[prims[name]] = handler
+    # ``closed_call`` by its object: JAX releases disagree on its name. A name this JAX lacks has nothing to
+    # handle (a primitive no handler knows is refused by the interpreter, never run unrewritten).
+    if _jax_internals.closed_call_p is not _jax_internals.jit_p:
+        out[_jax_internals.closed_call_p] = _closed_call
+    for name, handler in (("custom_linear_solve", _linear_solve), ("call", _call), ("composite", _composite)):
+        if name in prims:
+            out[prims[name]] = handler
     for name in REFUSED:
         if name in prims:
             out[prims[name]] = _refuse

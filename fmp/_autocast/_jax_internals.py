@@ -3,7 +3,7 @@
 The autocast transform re-traces jaxprs with exact abstract values (shardings,
 weak types and varying manual axes included), which no public API offers, and
 re-binds ``shard_map``, whose primitive is not exported by ``jax.extend``.
-Supported JAX range: see ``pyproject.toml`` (``jax>=0.10,<0.12``). When JAX
+Supported JAX range: see ``pyproject.toml`` (``jax>=0.10.2,<0.11``); importing fmp with a newer JAX warns. When JAX
 moves one of these names, this is the only file to change.
 """
 
@@ -28,6 +28,18 @@ from jax._src.sharding_impls import UNSPECIFIED
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core.primitives import closed_call_p, jit_p
 
+_TESTED_BELOW = (0, 11)
+if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= _TESTED_BELOW:  # pragma: no cover - CI runs 0.10
+    import warnings
+
+    warnings.warn(
+        f"fmp is tested with jax 0.10.x and this is jax {jax.__version__}: under fmp.autocast, scan, fori_loop, "
+        "shard_map and custom_vjp bodies are known to fail on jax 0.11 (with an error). Install jax<0.11 for a "
+        "tested combination.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
 try:  # FlatTree: the container shard_map's body function returns since JAX 0.10
     from jax._src.tree_util import FlatTree
 except ImportError:  # pragma: no cover - depends on the JAX version
@@ -36,6 +48,7 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 __all__ = [
     "bind_shard_map",
     "closed_call_p",
+    "jit_p",
     "primitives_by_name",
     "rewrap_bwd",
     "rewrap_rule_thunk",

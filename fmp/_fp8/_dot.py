@@ -2,9 +2,11 @@
 
 Any ``dot_general`` is brought to a batched matmul ``a[b, m, k] @ b[b, k, n]``
 (transposes and reshapes JAX differentiates by itself); ``fp8_matmul`` then
-quantises both operands, multiplies the dequantised float32 values (the
-quantise -> convert -> scale -> dot pattern XLA's GPU backend fuses into an fp8
-GEMM; on CPU it is emulated exactly) and casts the product to the output dtype.
+quantises both operands and either multiplies the float8 values with float32
+accumulation and applies the inverse scales to the result (a float8 GEMM on a
+GPU that has one), or multiplies the dequantised float32 values (the exact
+emulation, the default on a CPU; ``Float8Recipe(emulate=...)`` chooses), and
+casts the product to the output dtype.
 Its backward recomputes the quantisation of the saved operands for the new
 contraction and quantises the output gradient to the recipe's ``grad_dtype``
 (``float8_e5m2`` by default) for both products: ``da = g @ b^T`` and
@@ -37,42 +39,55 @@ F32 = jnp.dtype(jnp.float32)
 
 # jitted: traced once per shape, dtype and recipe, then reused from JAX's cache for every matmul alike (the
 # layers of a model repeat their shapes), which keeps the quantisation's ops out of each site's own trace
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _product(
-    a: jax.Array, b: jax.Array, da: Any, db: Any, scaling: str, block: int, pow2: bool, b_tiles: bool = False
-) -> jax.Array:
-    """``qdq(a) @ qdq(b)`` in float32 for ``a[b, m, k]``, ``b[b, k, n]``; ``b_tiles``: ``b`` is a gradient."""
+    a: jax.Array, b: jax.Array, da: Any, db: Any, scaling: str, block: int, pow2: bool, gemm: bool,
+    b_tiles: bool = False,
+) -> jax.Array:  # fmt: skip
+    """``a[b, m, k] @ b[b, k, n]`` through float8, float32 result; ``b_tiles``: ``b`` is a gradient.
+
+    ``gemm`` (tensorwise and rowwise, whose scales are constant along the contraction): float8 operands into
+    the matmul, scales on the result; blockwise always dequantises first (its scales vary along ``k``).
+    """
+    if gemm and scaling in ("tensorwise", "rowwise"):
+        sa = _quant.row_scales(a, da, scaling, pow2, first=True)
+        sb = _quant.row_scales(b, db, scaling, pow2, first=False)
+        return _quant.scaled_matmul(a, sa, da, b, sb, db, gemm=True)
     qa = _quant.qdq_first(a, da, scaling, block, pow2)
     qb = _quant.qdq_second(b, db, scaling, block, pow2, tiles=b_tiles)
-    dims = (((2,), (1,)), ((0,), (0,)))
-    return jax.lax.dot_general(qa, qb, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+    return _quant.matmul_f32(qa, qb)
 
 
 def _swap(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)
 
 
-def _forward(a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any) -> jax.Array:
-    return _product(a, b, _quant.E4M3, _quant.E4M3, scaling, block, pow2).astype(out_dtype)
+def _forward(a, b, scaling, block, pow2, gemm, out_dtype) -> jax.Array:
+    return _product(a, b, _quant.E4M3, _quant.E4M3, scaling, block, pow2, gemm).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def fp8_matmul(
-    a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, out_dtype: Any, grad_dtype: Any
+    a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, gemm: bool, out_dtype: Any, grad_dtype: Any
 ) -> jax.Array:
     """``a[b, m, k] @ b[b, k, n]`` with float8 operands, result in ``out_dtype``; gradient in ``grad_dtype``."""
-    return _forward(a, b, scaling, block, pow2, out_dtype)
+    return _forward(a, b, scaling, block, pow2, gemm, out_dtype)
 
 
-def _fwd(a, b, scaling, block, pow2, out_dtype, grad_dtype):  # the product itself, not a nested custom_vjp call
-    return _forward(a, b, scaling, block, pow2, out_dtype), (a, b)
+def _fwd(a, b, scaling, block, pow2, gemm, out_dtype, grad_dtype):  # the product itself, not a nested custom_vjp
+    return _forward(a, b, scaling, block, pow2, gemm, out_dtype), (a, b)
 
 
-def _bwd(scaling, block, pow2, out_dtype, grad_dtype, res, g):
+def _bwd(scaling, block, pow2, gemm, out_dtype, grad_dtype, res, g):
     a, b = res
-    da = _product(g, _swap(b), grad_dtype, _quant.E4M3, scaling, block, pow2)
-    db = _product(_swap(a), g, _quant.E4M3, grad_dtype, scaling, block, pow2, b_tiles=True)
+    da = _product(g, _swap(b), grad_dtype, _quant.E4M3, scaling, block, pow2, gemm)
+    db = _product(_swap(a), g, _quant.E4M3, grad_dtype, scaling, block, pow2, gemm, b_tiles=True)
     return da.astype(a.dtype), db.astype(b.dtype)
+
+
+def use_gemm(recipe: Float8Recipe) -> bool:
+    """Whether ``recipe``'s matmuls take float8 operands (a float8 GEMM) or dequantise first (``emulate``)."""
+    return _quant.float8_gemm_available() if recipe.emulate is None else not recipe.emulate
 
 
 fp8_matmul.defvjp(_fwd, _bwd)
@@ -124,8 +139,9 @@ def fp8_dot_general(
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)
     out = fp8_matmul(
-        a, b, recipe.scaling, recipe.block_size, recipe.pow2_scales, jnp.dtype(out_dtype), jnp.dtype(recipe.grad_dtype)
-    )
+        a, b, recipe.scaling, recipe.block_size, recipe.pow2_scales, use_gemm(recipe), jnp.dtype(out_dtype),
+        jnp.dtype(recipe.grad_dtype),
+    )  # fmt: skip
     return out.reshape(oshape)
 
 

@@ -62,6 +62,54 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     return q.astype(jnp.float32) * (1 / scale)
 
 
+_MM = (((2,), (1,)), ((0,), (0,)))  # [b, m, k] @ [b, k, n]
+
+
+def float8_gemm_available() -> bool:
+    """Whether the default backend runs a matmul of float8 operands as a float8 GEMM (a GPU of compute
+    capability 8.9 or newer: Ada, Hopper, Blackwell); elsewhere XLA would widen the operands first."""
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return cc is None or tuple(int(p) for p in str(cc).split(".")[:2]) >= (8, 9)
+    except ValueError:  # pragma: no cover - an unexpected version string: let XLA decide
+        return True
+
+
+def scaled_matmul(
+    a: jax.Array, sa: jax.Array, da: jax.typing.DTypeLike, b: jax.Array, sb: jax.Array, db: jax.typing.DTypeLike,
+    gemm: bool,
+) -> jax.Array:  # fmt: skip
+    """``a[b, m, k] @ b[b, k, n]`` through float8: each operand quantised with its scale, float32 result.
+
+    ``sa`` and ``sb`` must be constant along the contraction (a scalar, ``sa[b, m, 1]``, ``sb[b, 1, n]``).
+    ``gemm``: the float8 values go into the matmul and the inverse scales multiply its float32 result (the
+    form of a float8 GEMM and of ``torch._scaled_mm``); otherwise each operand is dequantised to float32 first
+    (the emulation of torchao's ``emulate=True``). With power-of-two scales both give the same bits on a CPU.
+    """
+    qa, qb = quantize(a, sa, da), quantize(b, sb, db)
+    if gemm:
+        out = jax.lax.dot_general(qa, qb, _MM, preferred_element_type=jnp.float32)
+        return out * (1 / sa) * (1 / sb)
+    return matmul_f32(dequantize(qa, sa), dequantize(qb, sb))
+
+
+def matmul_f32(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a[b, m, k] @ b[b, k, n]`` of float32 operands, in full float32 precision."""
+    return jax.lax.dot_general(a, b, _MM, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def row_scales(
+    x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, pow2: bool, first: bool
+) -> jax.Array:  # fmt: skip
+    """The scale of ``x`` (an ``a[b, m, k]`` if ``first`` else a ``b[b, k, n]``) for ``"tensorwise"`` or
+    ``"rowwise"``: a scalar, or one per index of the non-contracting dimension (``[b, m, 1]``, ``[b, 1, n]``)."""
+    if scaling == "tensorwise":
+        return scale_from_amax(_amax(x), dtype, pow2=pow2)
+    return scale_from_amax(_amax(x, 2 if first else 1), dtype, pow2=pow2)
+
+
 def _amax(x: jax.Array, axis: object = None) -> jax.Array:
     return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
 
@@ -77,11 +125,8 @@ def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 def qdq_first(x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: int, pow2: bool) -> jax.Array:
     """Quantise-dequantise the first operand ``x[b, m, k]`` of a product (float32 result)."""
-    if scaling == "tensorwise":
-        s = scale_from_amax(_amax(x), dtype, pow2=pow2)
-        return dequantize(quantize(x, s, dtype), s)
-    if scaling == "rowwise":
-        s = scale_from_amax(_amax(x, 2), dtype, pow2=pow2)
+    if scaling in ("tensorwise", "rowwise"):
+        s = row_scales(x, dtype, scaling, pow2, first=True)
         return dequantize(quantize(x, s, dtype), s)
     bsz, m, k = x.shape
     xp = _pad(x, 2, block).reshape(bsz, m, -1, block)  # 1 x block tiles along k
@@ -97,11 +142,8 @@ def qdq_second(
     ``blockwise``: ``block x block`` blocks, or with ``tiles`` (an activation gradient) ``block x 1`` tiles
     along the contraction ``k``.
     """
-    if scaling == "tensorwise":
-        s = scale_from_amax(_amax(x), dtype, pow2=pow2)
-        return dequantize(quantize(x, s, dtype), s)
-    if scaling == "rowwise":  # one scale per output column n: the amax runs over the contraction k
-        s = scale_from_amax(_amax(x, 1), dtype, pow2=pow2)
+    if scaling in ("tensorwise", "rowwise"):  # rowwise: one scale per output column n (amax over k)
+        s = row_scales(x, dtype, scaling, pow2, first=False)
         return dequantize(quantize(x, s, dtype), s)
     bsz, k, n = x.shape
     cols = 1 if tiles else block

@@ -100,6 +100,16 @@ class Float8Recipe:
         reshapes, transposes, broadcasts, slices and scan slices; attention's activation x
         activation products (``q @ k.T``, ``p @ v``) stay in the compute dtype.
         ``True``: every matmul and convolution.
+      emulate: How a tensorwise, rowwise or delayed matmul is computed. ``None`` (the default):
+        as a float8 GEMM where the device has one (a GPU of compute capability 8.9 or newer),
+        emulated elsewhere (a CPU). ``False``: float8 operands go into the matmul, which
+        accumulates in float32, and the inverse scales multiply its result (the form of
+        ``torch._scaled_mm``, which torchao uses; on a CPU, XLA widens the float8 operands
+        itself). ``True``: each operand is dequantised to float32 before a float32 matmul
+        (torchao's ``emulate=True``; bit for bit with it). With power-of-two scales both forms
+        give the same bits on a CPU; a GPU's float8 GEMM accumulates in its own order and
+        precision. Blockwise always dequantises first and ``"mx"`` always runs
+        ``scaled_dot_general``.
 
     Examples:
       >>> fmp.Float8Recipe("rowwise").scaling
@@ -121,6 +131,7 @@ class Float8Recipe:
     grad_dtype: str = "float8_e5m2"
     amax_compute_algo: str = "max"
     activations: bool = False
+    emulate: bool | None = None
     PEERS: ClassVar[tuple[str, ...]] = tuple(PEER_RECIPES)
 
     def __post_init__(self) -> None:
@@ -143,6 +154,8 @@ class Float8Recipe:
             raise ValueError(f"Float8Recipe(margin=...) must be an int from 0 to 64 (usually 0-2), got {self.margin!r}")
         if not isinstance(self.activations, bool):
             raise ValueError(f"Float8Recipe(activations=...) must be True or False, got {self.activations!r}")
+        if self.emulate not in (None, True, False):
+            raise ValueError(f"Float8Recipe(emulate=...) must be None, True or False, got {self.emulate!r}")
         if self.output not in ("compute", "float32"):
             raise ValueError(f"Float8Recipe(output=...) must be 'compute' or 'float32', got {self.output!r}")
 

@@ -213,36 +213,28 @@ def _global_max(v: jax.Array, mapped: tuple) -> jax.Array:
     return jax.lax.pmax(v, axes) if axes else v
 
 
-def _qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    return _quant.dequantize(_quant.quantize(x, scale, dtype), scale)
-
-
-def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
-    dims = (((2,), (1,)), ((0,), (0,)))
-    return jax.lax.dot_general(a, b, dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _delayed_matmul(a, b, hist, recipe, out_dtype, mapped):
     sa, _ = _current_or_history(a, hist[0], _quant.E4M3, recipe, mapped)
     sb, _ = _current_or_history(b, hist[1], _quant.E4M3, recipe, mapped)
-    return _mm(_qdq(a, sa, _quant.E4M3), _qdq(b, sb, _quant.E4M3)).astype(out_dtype)
+    e4m3, gemm = _quant.E4M3, _dot.use_gemm(recipe)
+    return _quant.scaled_matmul(a, sa, e4m3, b, sb, e4m3, gemm).astype(out_dtype)
 
 
 def _delayed_fwd(a, b, hist, recipe, out_dtype, mapped):
     sa, amax_a = _current_or_history(a, hist[0], _quant.E4M3, recipe, mapped)
     sb, amax_b = _current_or_history(b, hist[1], _quant.E4M3, recipe, mapped)
-    out = _mm(_qdq(a, sa, _quant.E4M3), _qdq(b, sb, _quant.E4M3)).astype(out_dtype)
+    e4m3, gemm = _quant.E4M3, _dot.use_gemm(recipe)
+    out = _quant.scaled_matmul(a, sa, e4m3, b, sb, e4m3, gemm).astype(out_dtype)
     return out, (a, b, hist, sa, sb, amax_a, amax_b)
 
 
 def _delayed_bwd(recipe, out_dtype, mapped, res, g):
     a, b, hist, sa, sb, amax_a, amax_b = res
-    gdt = jnp.dtype(recipe.grad_dtype)
+    gdt, e4m3, gemm = jnp.dtype(recipe.grad_dtype), _quant.E4M3, _dot.use_gemm(recipe)
     sg, amax_g = _current_or_history(g, hist[2], gdt, recipe, mapped)
-    qg = _qdq(g, sg, gdt)
-    da = _mm(qg, jnp.swapaxes(_qdq(b, sb, _quant.E4M3), 1, 2))
-    db = _mm(jnp.swapaxes(_qdq(a, sa, _quant.E4M3), 1, 2), qg)
+    da = _quant.scaled_matmul(g, sg, gdt, jnp.swapaxes(b, 1, 2), sb, e4m3, gemm)
+    db = _quant.scaled_matmul(jnp.swapaxes(a, 1, 2), sa, e4m3, g, sg, gdt, gemm)
     new = jnp.roll(hist, 1, axis=-1).at[:, 0].set(jnp.stack([amax_a, amax_b, amax_g]))
     if mapped and not mapped[1]:
         # unchecked shard_map sums a replicated input's cotangent over the shards: one shard returns it
