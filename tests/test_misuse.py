@@ -136,8 +136,8 @@ def test_override_that_matches_no_scope_warns():
     (msg,) = [str(r.message) for r in rec]
     assert msg == (
         "fmp.autocast: overrides key 'Encoder' matches no jax.named_scope in the traced function, so it changes "
-        "nothing. Keys are case-sensitive substrings of the scope names (flax linen opens one per module: "
-        "'Dense_0', 'LayerNorm_0'; an nnx argument's submodules run under their paths: 'blocks/0/attn'); "
+        "nothing. Keys are case-sensitive parts of the scope paths, never cut inside a number (flax linen opens "
+        "one per module: 'Dense_0', 'LayerNorm_0'; an nnx argument's submodules run under their paths: 'blocks/0/attn'); "
         "scopes seen: 'encoder', 'head'."
     )
 

@@ -16,7 +16,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 from fmp._arrays import foreign_kind
 from fmp._autocast._context import dtype_name
-from fmp._core import _dtypes
+from fmp._core import _dtypes, _scopes
 from fmp._policy import Policy
 
 _MSG_FOREIGN_ARG = (
@@ -38,8 +38,8 @@ _HINT_OTHER = "Wrap the function that does the floating-point work, or drop the 
 
 _MSG_OVERRIDE_UNUSED = (
     "fmp.autocast: overrides key {key!r} matches no jax.named_scope in the traced function, so it changes "
-    "nothing. Keys are case-sensitive substrings of the scope names (flax linen opens one per module: "
-    "'Dense_0', 'LayerNorm_0'; an nnx argument's submodules run under their paths: 'blocks/0/attn'); scopes seen: {seen}."
+    "nothing. Keys are case-sensitive parts of the scope paths, never cut inside a number (flax linen opens "
+    "one per module: 'Dense_0', 'LayerNorm_0'; an nnx argument's submodules run under their paths: 'blocks/0/attn'); scopes seen: {seen}."
 )
 
 
@@ -104,6 +104,6 @@ def warn_no_effect(closed: ClosedJaxpr, policy: Policy, overrides: tuple[tuple[s
         hint = _HINT_F64 if "float64" in floats else _HINT_OTHER
         warnings.warn(_MSG_NO_EFFECT.format(policy=label, found=found, hint=hint), UserWarning, stacklevel=3)
     for key, _ in overrides:
-        if not any(key in s for s in scopes):
+        if not any(_scopes.matches(s, key) for s in scopes):
             seen = ", ".join(repr(s) for s in sorted(scopes)[:8]) + (" ..." if len(scopes) > 8 else "")
             warnings.warn(_MSG_OVERRIDE_UNUSED.format(key=key, seen=seen or "none"), UserWarning, stacklevel=3)

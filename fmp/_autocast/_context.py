@@ -17,7 +17,7 @@ from jax.extend.core import JaxprEqn
 
 from fmp._autocast import _rows
 from fmp._autocast._provenance import Frame
-from fmp._core import _dtypes
+from fmp._core import _dtypes, _scopes
 from fmp._core._report import OpRecord, short_source
 from fmp._core._rules import RuleSet
 from fmp._policy import Policy
@@ -112,7 +112,7 @@ class Context:
             return "nested", self.policy
         best, where = None, -1
         for key, pol in self.overrides:
-            pos = scope.rfind(key)
+            pos = _scopes.find_key(scope, key)
             if pos > where:
                 best, where = pol, pos
         if best is not None:

@@ -113,9 +113,10 @@ def autocast_jaxpr(
       closed_jaxpr: The program, e.g. from ``jax.make_jaxpr(f)(*args)``.
       policy: A policy spec or `fmp.Policy`.
       rules: A `fmp.RuleSet`; ``None`` means ``fmp.DEFAULT_RULES``.
-      overrides: Optional ``{scope_substring: policy}``: equations whose name
-        scope contains the substring run under that policy (the innermost match
-        wins), with their inputs first returned to their original dtypes.
+      overrides: Optional ``{scope_key: policy}``: equations whose name
+        scope contains the key run under that policy (the innermost match
+        wins; a key never matches inside a number: ``"blocks/1"`` does not select ``blocks/10``), with their
+        inputs first returned to their original dtypes.
 
     Returns:
       A new ``ClosedJaxpr`` with the same input avals.

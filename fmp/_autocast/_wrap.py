@@ -66,9 +66,10 @@ def autocast(
       enabled: ``False`` runs ``fn`` exactly as written, also inside an outer autocast.
       overrides: ``{scope_substring: policy}``: ops under a ``jax.named_scope``
         (flax linen opens one per module; a submodule of an nnx module passed as
-        an argument runs under its attribute path, ``blocks/0/attn``) whose name contains the substring run
+        an argument runs under its attribute path, ``blocks/0/attn``) whose path contains the key run
         under that policy, e.g. ``{"LayerNorm": "float32"}``. Matching is
-        case-sensitive on the scopes opened inside ``fn``; the innermost wins.
+        case-sensitive on the scopes opened inside ``fn``, never inside a number (``"blocks/1"`` does not
+        select ``blocks/10``); the innermost wins.
         An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
       fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
         the scales come from (see `fmp.float8_state`). Differentiate with
