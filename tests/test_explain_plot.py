@@ -97,3 +97,21 @@ def test_plot_without_matplotlib_says_how_to_install_it(report, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ModuleNotFoundError
     with pytest.raises(ModuleNotFoundError, match=r"Report.plot needs matplotlib.*pip install 'jax-fmp\[plot\]'"):
         report.plot()
+
+
+def test_plot_marks_changed_discrete_outputs():
+    x = jax.random.normal(K[0], (256, 32))
+    w = jax.random.normal(K[1], (32, 1)) + 1e-3 * jax.random.normal(K[2], (32, 8))  # near-tied experts
+
+    def route(x, w):
+        with jax.named_scope("router"):
+            logits = x @ w
+        return jax.lax.top_k(logits, 2)[1]
+
+    rep = fmp.explain(route, compare=True)(x, w)
+    (top_k,) = [r for r in rep.records if r.op == "top_k"]
+    assert top_k.flips > 0  # marked above the errors: flips have no place on the log axis
+    program, worst = rep.plot(k=2, ax=Figure().subplots(1, 2)).axes
+    (marks,) = [line for line in program.get_lines() if line.get_label().startswith("flips")]
+    assert list(marks.get_xdata()) == [top_k.index] and f"#{top_k.index} top_k" in _texts(program)
+    assert f"#{top_k.index} top_k ({top_k.flips} flips)" in [t.get_text() for t in worst.get_yticklabels()]

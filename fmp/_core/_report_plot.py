@@ -97,15 +97,18 @@ def _program(ax: Any, records: Sequence[OpRecord], culprits: Sequence[OpRecord],
     ax.plot(x, [_finite_or_nan(r.added_error) for r in rows], "o", ms=4, color="C3", label="added_error (own)")
     ax.set_yscale("log")
     top = max((v for r in rows for v in (r.error, r.added_error) if v and math.isfinite(v)), default=1.0)
-    bad = [r for r in rows if r.nonfinite]
-    if bad:  # inf/NaN has no place on a log axis: marked above the finite errors
-        ax.plot([r.index for r in bad], [top * 4] * len(bad), "x", color="C3", ms=7, label="non-finite (overflow)")
+    # inf/NaN and changed discrete outputs have no place on a log axis: marked above the finite errors
+    bad = [r.index for r in rows if r.nonfinite]
+    flipped = [r.index for r in records if r.flips]
+    for xs, marker, name in ((bad, "x", "non-finite (overflow)"), (flipped, "v", "flips (discrete outputs changed)")):
+        if xs:
+            ax.plot(xs, [top * 4] * len(xs), marker, color="C3", ms=6, label=name)
     _roundoff(ax, low, horizontal=True)
     # the ops to fix (a suggestion, an overflow), else the worst few; staggered so that neighbours stay legible
     named = [r for r in culprits if r.suggestion or r.nonfinite][:_NAMED] or list(culprits[:3])
     for i, r in enumerate(named):
-        y = top * 4 if r.nonfinite else _finite_or_nan(r.added_error)
-        if not math.isnan(y):  # a discrete output (flips) has no floating error to place
+        y = top * 4 if r.nonfinite or r.flips else _finite_or_nan(r.added_error)
+        if not math.isnan(y):  # an op that adds nothing: no place on the log axis
             ax.annotate(label(r), (r.index, y), xytext=(6, -4 - 10 * i), textcoords="offset points", fontsize=7,
                         arrowprops={"arrowstyle": "-", "color": "0.5", "lw": 0.5},
                         bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})  # fmt: skip
