@@ -16,22 +16,18 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import fmp
 
 DIM, HEADS, LENGTH, VOCAB = 64, 4, 256, 128
 
 
-class Rotary(nn.Module):
-    """cos and sin of the rotary angles (position x frequency), computed once per forward pass."""
-
-    head_dim: int
-
-    def __call__(self, length):
-        exponents = jnp.arange(0, self.head_dim, 2, dtype=jnp.float32) / self.head_dim
-        inv_freq = 1.0 / 10000.0**exponents
-        angles = jnp.outer(jnp.arange(length, dtype=jnp.float32), inv_freq)  # up to 255 radians
-        return jnp.cos(angles), jnp.sin(angles)
+def rotary(length, head_dim):
+    """cos and sin of the rotary angles (position x frequency)."""
+    inv_freq = 1.0 / 10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.outer(jnp.arange(length, dtype=jnp.float32), inv_freq)  # up to 255 radians
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def rotate(x, cos, sin):  # x: (length, heads, head_dim)
@@ -40,17 +36,27 @@ def rotate(x, cos, sin):  # x: (length, heads, head_dim)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def attend(q, k, v, cos, sin):  # causal self-attention with rotary embeddings
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    scores = jnp.einsum("qhd,khd->hqk", q, k) / jnp.sqrt(float(q.shape[-1]))
+    causal = jnp.tril(jnp.ones((q.shape[0], q.shape[0]), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+    return jnp.einsum("hqk,khd->qhd", weights, v)
+
+
+class Rotary(nn.Module):  # a module of its own: its ops get its scope, LM/Rotary_0
+    head_dim: int
+
+    def __call__(self, length):
+        return rotary(length, self.head_dim)
+
+
 class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin):
         heads = (HEADS, DIM // HEADS)
         q, k, v = (nn.DenseGeneral(heads, name=n)(x) for n in ("query", "key", "value"))
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        scores = jnp.einsum("qhd,khd->hqk", q, k) / jnp.sqrt(float(DIM // HEADS))
-        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-        out = jnp.einsum("hqk,khd->qhd", weights, v)
-        return nn.DenseGeneral(DIM, axis=(-2, -1), name="out")(out)
+        return nn.DenseGeneral(DIM, axis=(-2, -1), name="out")(attend(q, k, v, cos, sin))
 
 
 class Block(nn.Module):
@@ -81,6 +87,51 @@ def loss_fn(params, tokens):  # next-token cross-entropy
 
 
 # --8<-- [end:model]
+
+
+# --8<-- [start:nnx_model]
+class NnxRotary(nnx.Module):
+    def __init__(self, head_dim):
+        self.head_dim = head_dim
+
+    def __call__(self, length):
+        return rotary(length, self.head_dim)
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.norm1, self.norm2 = nnx.RMSNorm(DIM, rngs=rngs), nnx.RMSNorm(DIM, rngs=rngs)
+        self.qkv, self.out = nnx.Linear(DIM, 3 * DIM, rngs=rngs), nnx.Linear(DIM, DIM, rngs=rngs)
+        self.up = nnx.Linear(DIM, 4 * DIM, rngs=rngs)
+        self.down = nnx.Linear(4 * DIM, DIM, rngs=rngs)
+
+    def __call__(self, x, cos, sin):
+        q, k, v = jnp.split(self.qkv(self.norm1(x)).reshape(x.shape[0], 3 * HEADS, -1), 3, axis=1)
+        x = x + self.out(attend(q, k, v, cos, sin).reshape(x.shape))
+        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class NnxLM(nnx.Module):
+    def __init__(self, rngs):
+        self.rotary = NnxRotary(DIM // HEADS)
+        self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
+        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(2)])
+        self.norm, self.head = nnx.RMSNorm(DIM, rngs=rngs), nnx.Linear(DIM, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        cos, sin = self.rotary(tokens.shape[0])
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def nnx_loss_fn(model, tokens):  # the module is an argument: its submodules' scopes are their paths
+    logp = jax.nn.log_softmax(model(tokens)[:-1])
+    return -jnp.take_along_axis(logp, tokens[1:, None], axis=-1).mean()
+
+
+# --8<-- [end:nnx_model]
 
 
 def head(report, ops: int = 10, width: int = 100) -> str:
@@ -114,13 +165,26 @@ def run(out: Path | None = None) -> dict:
         print(f"{name}: loss {loss:.5f}, float32 {exact:.5f}, relative error {errors[name]:.1e}")
     fig = report.plot(k=8)  # errors along the program, and the worst ops
     # --8<-- [end:fix]
+    # --8<-- [start:nnx]
+    nnx_model = NnxLM(nnx.Rngs(0))
+    nnx_explain = fmp.explain(nnx_loss_fn, "mixed_bfloat16", rules=rules, compare=True)
+    nnx_report = nnx_explain(nnx_model, tokens)
+    print([(r.op, r.scope, r.suggestion) for r in nnx_report.worst(2)])
+    nnx_fix = {"rotary": "float32"}  # the suggestion, pasted
+    with_fix = fmp.explain(nnx_loss_fn, "mixed_bfloat16", rules=rules, overrides=nnx_fix, compare=True)
+    nnx_fixed = with_fix(nnx_model, tokens)
+    # --8<-- [end:nnx]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "precision_loss_planted.txt").write_text(head(report) + "\n")
         losses = "".join(f"{name}: loss relative error {e:.1e}\n" for name, e in errors.items())
         (out / "precision_loss_fixed.txt").write_text(f"{losses}\n{head(fixed, ops=3)}\n")
+        (out / "precision_loss_nnx.txt").write_text(head(nnx_report, ops=2) + "\n")
         fig.savefig(out / "precision_loss.png", dpi=80)
-    return {"report": report, "fixed": fixed, "fix": fix, "loss_errors": errors, "figure": fig}
+    return {
+        "report": report, "fixed": fixed, "fix": fix, "loss_errors": errors, "figure": fig,
+        "nnx_report": nnx_report, "nnx_fixed": nnx_fixed, "nnx_fix": nnx_fix,
+    }  # fmt: skip
 
 
 def main(argv=None):

@@ -73,7 +73,12 @@ def _blocks(text: str) -> list[tuple[str, list[float]]]:
 
 @GALLERY
 @pytest.mark.parametrize(
-    ("name", "key"), [("precision_loss_planted.txt", "report"), ("precision_loss_fixed.txt", "fixed")]
+    ("name", "key"),
+    [
+        ("precision_loss_planted.txt", "report"),
+        ("precision_loss_fixed.txt", "fixed"),
+        ("precision_loss_nnx.txt", "nnx_report"),
+    ],
 )
 def test_the_page_shows_what_the_example_writes(page, name, key):
     """Regenerate with ``python examples/precision_loss.py --out docs/assets`` when this fails."""
@@ -83,7 +88,7 @@ def test_the_page_shows_what_the_example_writes(page, name, key):
     assert len(shown) == len(now) and shown[0][0] == now[0][0]  # the head's title (and the loss errors)
     assert all(math.isclose(x, y, rel_tol=0.5) for x, y in zip(shown[0][1], now[0][1], strict=True))
     report = result[key]
-    if key == "report":  # the planted ops first, as the example finds them today
+    if key != "fixed":  # the planted ops first, as the example finds them today
         assert {text.split(" ", 1)[0] for text, _ in shown[1:3]} == {str(r.index) for r in report.worst(2)}
     # every op shown, as the example prints it today: the same op, dtypes, scope and source line, the errors
     # up to another CPU's last bits (ops of equal error may swap places there, so each is checked by its index)
@@ -92,6 +97,19 @@ def test_the_page_shows_what_the_example_writes(page, name, key):
         (_, (want, want_numbers)) = _blocks(result["head"](dataclasses.replace(report, records=(row,)), ops=1))
         assert text == want
         assert all(math.isclose(x, y, rel_tol=0.05, abs_tol=0.2) for x, y in zip(numbers, want_numbers, strict=True))
+
+
+@GALLERY
+def test_nnx_finds_the_same_ops_and_names_the_attribute_path(page):
+    result, _ = page
+    first = result["nnx_report"].worst(2)
+    assert sorted(r.op for r in first) == ["cos", "sin"]
+    assert all(r.scope == "rotary" and r.suggestion == 'overrides={"rotary": "float32"}' for r in first)
+    assert [r for r in result["nnx_report"].records if r.suggestion] == sorted(first, key=lambda r: r.index)
+    assert result["nnx_fix"] == {"rotary": "float32"}
+    assert not any(r.suggestion for r in result["nnx_fixed"].records)
+    trig = [r for r in result["nnx_fixed"].records if r.op in ("sin", "cos")]
+    assert len(trig) == 2 and all(r.added_error == 0.0 for r in trig)
 
 
 @GALLERY
