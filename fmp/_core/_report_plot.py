@@ -66,7 +66,10 @@ def plot(
     culprits = [r for r in worst if r.nonfinite or r.flips or (r.added_error or 0.0) > 0.0]
     low = sorted({d for r in records if r.error is not None for d in r.out_after if d in _LOW})
     _program(left, records, culprits, low)
-    fig.suptitle(title, fontsize=9)
+    if ax is None:
+        fig.suptitle(title, fontsize=9)
+    else:  # the caller's figure keeps its own title
+        left.set_title(title, fontsize=9)
     if right is not None:
         _culprits(right, culprits, low)
     if path is not None:
