@@ -17,12 +17,12 @@ import fmp
 from tests.helpers import ROOT, run_python, run_with_devices
 
 
-def test_import_fmp_does_not_import_torch_optax_flax():
+def test_import_fmp_does_not_import_torch_optax_flax_matplotlib():
     out = run_python(
         """
         import sys
         import fmp
-        heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'optax', 'flax'})
+        heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'optax', 'flax', 'matplotlib'})
         print(heavy)
         """
     )

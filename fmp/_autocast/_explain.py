@@ -49,7 +49,8 @@ def explain(
     dtypes on the reference inputs) and, where that is far above the dtype's
     unit roundoff, overflows or changes discrete outputs, a ``suggestion``:
     code to paste that runs it in float32. ``report.worst(k)`` lists the
-    culprits and ``print(report)`` starts with them. The reference is the
+    culprits, ``print(report)`` starts with them and ``report.plot()``
+    draws them (needs matplotlib). The reference is the
     program in the dtypes it was written in (float64 only where it says so).
     A ``scan`` body's rows stand for all its iterations (the worst one's
     errors, with ``error_mean`` / ``added_error_mean``); ``while``, ``cond``

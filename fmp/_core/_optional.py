@@ -14,6 +14,7 @@ _HOW = {
         "https://pytorch.org/get-started/locally/), then pip install 'jax-fmp[torch]'"
     ),
     "optax": "pip install 'jax-fmp[optax]' (or pip install optax)",
+    "matplotlib": "pip install 'jax-fmp[plot]' (or pip install matplotlib)",
 }
 
 _MSG_MISSING = "{module} needs {dep}, which is not installed: {how}."

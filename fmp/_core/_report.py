@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from fmp._core import _report_plot
+
 
 @dataclasses.dataclass(frozen=True)
 class OpRecord:
@@ -128,6 +130,38 @@ class Report:
         if not self.compared:
             raise ValueError("Report.worst needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
         return worst_rows(self.records, k)
+
+    def plot(self, k: int = 10, *, ax: Any = None, path: Any = None) -> Any:
+        """Draws the errors along the program and the ``k`` worst ops (needs matplotlib: the ``plot`` extra).
+
+        Left: every compared op in program order, its ``error`` and ``added_error`` on a log scale, with the
+        unit roundoff of the low-precision dtypes and the worst ops labelled by position, op and scope.
+        Right: the worst ops' ``added_error`` as bars (red where the row has a suggestion).
+
+        Args:
+          k: How many of the worst ops to label and draw as bars.
+          ax: A matplotlib ``Axes`` (the left panel only) or a pair of them; default: a new pyplot
+            figure with both panels (``plt.show()`` shows it).
+          path: Where to save the figure (anything ``Figure.savefig`` takes).
+
+        Returns:
+          The matplotlib ``Figure``.
+
+        Raises:
+          ValueError: The report has no errors (``compare=True`` missing).
+          ModuleNotFoundError: matplotlib is not installed; the message says how to install it.
+
+        Examples:
+          >>> from matplotlib.figure import Figure
+          >>> rules = fmp.DEFAULT_RULES.derive(lower_precision=["exp"])
+          >>> x = jnp.linspace(0.0, 80.0, 64)
+          >>> rep = fmp.explain(lambda x: jnp.exp(x).sum(), rules=rules, compare=True)(x)
+          >>> fig = rep.plot(k=2, ax=Figure().subplots(1, 2))
+          >>> [t.get_text() for t in fig.axes[1].get_yticklabels()]
+          ['#1 exp']
+        """
+        title = f"fmp precision report ({self.framework}, {self.policy})"
+        return _report_plot.plot(self.records, self.worst(k), title=title, ax=ax, path=path)
 
     @property
     def summary(self) -> dict[str, Any]:
