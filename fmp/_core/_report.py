@@ -12,8 +12,6 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from fmp._core import _report_plot
-
 
 @dataclasses.dataclass(frozen=True)
 class OpRecord:
@@ -161,6 +159,8 @@ class Report:
           ['#1 exp']
         """
         title = f"fmp precision report ({self.framework}, {self.policy})"
+        from fmp._core import _report_plot  # drawing code (and matplotlib) only when a plot is asked for
+
         return _report_plot.plot(self.records, self.worst(k), title=title, ax=ax, path=path)
 
     @property

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ml_dtypes
 
 from fmp._core._optional import require
 
-if TYPE_CHECKING:
-    from fmp._core._report import OpRecord
-
+OpRecord = Any  # fmp._core._report.OpRecord (which imports this module when a plot is drawn)
 _MSG_AX = (
     "Report.plot(ax=...) expects a matplotlib Axes or a pair of them (errors along the program, worst ops), got {got}"
 )
