@@ -145,3 +145,19 @@ def test_weak_typed_values_follow_and_an_all_weak_matmul_keeps_its_dtype():
     # a Python scalar follows the other operand (no float32 promotion of a bfloat16 value)
     y = fmp.autocast(lambda x: jnp.sin(2.0) * x)(jnp.ones(3, jnp.bfloat16))
     assert y.dtype == jnp.bfloat16
+
+
+def test_float16_subnormals_survive_the_cast_up_forward_and_backward():
+    # float16 holds values down to 2**-24 (subnormals below 2**-14); the rounding fmp adds to each cast up must
+    # keep them, in the forward and in the cotangent (what a loss scaler relies on), as hand-cast code and torch do
+    x = jnp.array([[1e-6, 3e-5, 6e-8, 1e-4, 7e3, -2e-7, 2.9e-8, 3.1e-8]], jnp.float32)
+    w = jnp.eye(8)
+    f = lambda x, w: (x @ w) * 1.0  # noqa: E731
+    hand = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+    assert float(jnp.min(jnp.abs(hand[0, :6]))) > 0  # the case is the subnormal range, not a zero product
+    for run in (fmp.autocast(f, "mixed_float16"), jax.jit(fmp.autocast(f, "mixed_float16"))):
+        np.testing.assert_array_equal(np.asarray(run(x, w)), np.asarray(hand))
+    ct = jnp.array([1e-6, 1e-7, 3e-8, 1.0, 1.0, 2e-6, 5e-7, 1e-5])
+    grad = jax.grad(lambda x: jnp.sum(fmp.autocast(f, "mixed_float16")(x, w) * ct))(x)
+    # the cotangent reaches the float16 matmul rounded to float16, subnormals kept (torch: grad.half())
+    np.testing.assert_array_equal(np.asarray(grad[0]), np.asarray(ct, np.float16).astype(np.float32))

@@ -40,7 +40,35 @@ def round_once(up: Any, src: Any) -> Any:
     if src not in _dtypes.LOW_PRECISION or dst not in _dtypes.CASTABLE or _dtypes.widest([src, dst]) != dst:
         return up
     exponent, mantissa = _dtypes.FORMAT_BITS[src]
+    if exponent < 8:  # float16: reduce_precision would flush its subnormals (below 2**-14) to zero
+        return _rounder(exponent, mantissa)(up)
     return jax.lax.reduce_precision(up, exponent_bits=exponent, mantissa_bits=mantissa)
+
+
+@functools.cache
+def _rounder(exponent: int, mantissa: int) -> Callable[[Any], Any]:
+    """Rounding to a format with a narrower exponent than float32's, subnormals kept (as its convert does).
+
+    ``reduce_precision`` rounds the normal range and overflows as the convert does, but flushes the
+    format's subnormals to zero; below the smallest normal the value is rounded to the subnormal step
+    instead (a multiplication by a power of two, exact, and a round half to even). Derivatives pass
+    through unchanged: the cast's own transpose (a convert back down) rounds a cotangent as torch's
+    does, subnormals kept, where ``reduce_precision``'s transpose would flush them.
+    """
+    tiny = 2.0 ** (2 - 2 ** (exponent - 1))  # smallest normal: 2**-14 for float16
+    step = tiny * 2.0**-mantissa  # subnormal spacing: 2**-24
+
+    @jax.custom_jvp
+    def rounded(x: Any) -> Any:
+        normal = jax.lax.reduce_precision(x, exponent_bits=exponent, mantissa_bits=mantissa)
+        k = jax.lax.round(x * np.asarray(1 / step, x.dtype), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+        return jax.lax.select(jax.lax.abs(x) < np.asarray(tiny, x.dtype), k * np.asarray(step, x.dtype), normal)
+
+    @rounded.defjvp
+    def _jvp(primals: tuple, tangents: tuple) -> tuple:
+        return rounded(primals[0]), tangents[0]
+
+    return rounded
 
 
 @functools.cache
