@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fmp._autocast import _compare
+import jax.numpy as jnp
+
+from fmp._autocast import _compare, _compare_grads
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
 from fmp._autocast._fp8_checks import check_state
 from fmp._autocast._rows import flops
 from fmp._autocast._transform import configure, make_context, rewrite_top
+from fmp._autocast._wrap import autocast
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet
 from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
+from fmp._scaler import GradScaler
 
 _MSG_COMPARE_STATE = (
     "fmp.explain(..., compare=True) does not take fp8_state yet: compare without it (delayed float8 sites then "
     "run, and are compared as, current scaling), or call explain without compare=True to see the delayed rows."
 )
+
 
 def explain(
     fn: Callable[..., Any],
@@ -29,6 +35,9 @@ def explain(
     overrides: Mapping[str, Any] | None = None,
     fp8_state: Float8State | None = None,
     compare: bool = False,
+    grads: bool = False,
+    argnums: int | Sequence[int] = 0,
+    loss_scale: float | GradScaler | None = None,
 ) -> Callable[..., Report]:
     """Reports the dtype every operation of ``fn`` runs in under `fmp.autocast`.
 
@@ -90,6 +99,7 @@ def explain(
         raise TypeError(f"explain(compare=...) expects True or False, got {compare!r}")
     if compare and fp8_state is not None:
         raise NotImplementedError(_MSG_COMPARE_STATE)
+    argnums, scale = _grad_args(compare, grads, argnums, loss_scale, config.policy)
     if fp8_state is not None:
         check_state(fp8_state, config.policy, config.overrides, str(config.policy))
 
@@ -104,9 +114,42 @@ def explain(
             rewrite_top(closed, ctx)
         if sites is not None:
             sites.finish()
-        return Report(tuple(ctx.records or ()), policy=str(config.policy), framework="jax", compared=compare)
+        records = tuple(ctx.records or ())
+        back = None
+        if grads:
+            fp16 = config.policy.compute_dtype == jnp.float16
+            s = scale if scale is not None else (_FP16_SCALE if fp16 else 1.0)
+            policy_fn = autocast(fn, policy, rules=rules, overrides=overrides)
+            back = _compare_grads.compare(fn, policy_fn, args, kwargs, argnums, s, fp16, records, config.rules)
+        return Report(records, policy=str(config.policy), framework="jax", compared=compare, grads=back)
 
     return run
+
+
+_FP16_SCALE = 2.0**16  # fmp.GradScaler's initial scale
+
+
+def _grad_args(compare: bool, grads: bool, argnums: Any, loss_scale: Any, policy: Policy) -> tuple[Any, Any]:
+    """Validates the gradient arguments: ``(argnums, scale or None)``."""
+    if not isinstance(grads, bool):
+        raise TypeError(f"explain(grads=...) expects True or False, got {grads!r}")
+    if grads and not compare:
+        raise ValueError("explain(grads=True) compares gradients: pass compare=True as well")
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        pass
+    elif isinstance(argnums, Sequence) and argnums and all(type(a) is int for a in argnums):
+        argnums = tuple(argnums)
+    else:
+        raise TypeError(f"explain(argnums=...) expects an int or a sequence of ints, as jax.grad, got {argnums!r}")
+    if isinstance(loss_scale, GradScaler):
+        loss_scale = float(loss_scale.loss_scale)
+    if loss_scale is not None:
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float):
+            raise TypeError(f"explain(loss_scale=...) expects a number or an fmp.GradScaler, got {loss_scale!r}")
+        if not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"explain(loss_scale=...) must be finite and > 0, got {loss_scale!r}")
+        loss_scale = float(loss_scale)
+    return argnums, loss_scale
 
 
 __all__ = ["explain", "flops"]
