@@ -34,8 +34,8 @@ def rel(a, b) -> float:
 
 def test_grad_errors_are_jax_grad_of_autocast_against_jax_grad():
     rep = fmp.explain(mlp, compare=True, grads=True)(PARAMS, X)
-    ref = jax.grad(mlp)(PARAMS, X)
-    got = jax.grad(fmp.autocast(mlp))(PARAMS, X)
+    ref = jax.jit(jax.grad(mlp))(PARAMS, X)
+    got = jax.jit(jax.grad(fmp.autocast(mlp)))(PARAMS, X)  # as users train: compiled
     assert set(rep.grad_errors) == {"['b']", "['w']"}
     for key in ("b", "w"):
         e = rep.grad_errors[f"['{key}']"]
@@ -72,7 +72,8 @@ def test_argnums_and_keyword_arguments():
 
     rep = fmp.explain(loss, compare=True, grads=True, argnums=(0, 1))(W, X, b=PARAMS["b"])
     assert set(rep.grad_errors) == {"[0]", "[1]"}
-    want = rel(jax.grad(fmp.autocast(loss), 1)(W, X, b=PARAMS["b"]), jax.grad(loss, 1)(W, X, b=PARAMS["b"]))
+    got = jax.jit(lambda w, x: jax.grad(fmp.autocast(loss), 1)(w, x, b=PARAMS["b"]))(W, X)
+    want = rel(got, jax.jit(lambda w, x: jax.grad(loss, 1)(w, x, b=PARAMS["b"]))(W, X))
     assert rep.grad_errors["[1]"].error == pytest.approx(want, rel=1e-6)
 
 
@@ -83,10 +84,11 @@ def test_backward_of_nested_bodies(body):
             return jax.jit(lambda x, w: jnp.tanh(x @ w))(x, w).sum()
         if body == "checkpoint":
             return jax.checkpoint(lambda x, w: jnp.tanh(x @ w))(x, w).sum()
-        return jax.lax.scan(lambda h, x: (jnp.tanh(x + h @ w), None), jnp.zeros(32), x)[0].sum()
+        return jax.lax.scan(lambda h, x: (jnp.tanh(x + h @ w), None), jnp.zeros(32), x[:3])[0].sum()
 
     rep = fmp.explain(f, compare=True, grads=True)(W, X)
-    assert rep.grad_errors[""].error == pytest.approx(rel(jax.grad(fmp.autocast(f))(W, X), jax.grad(f)(W, X)))
+    want = rel(jax.jit(jax.grad(fmp.autocast(f)))(W, X), jax.jit(jax.grad(f))(W, X))
+    assert rep.grad_errors[""].error == pytest.approx(want, rel=1e-6)
     ops = {r.op for r in rep.grad_rows}
     assert ("scan" if body == "scan" else "dot_general") in ops  # a loop's backward is one row
     exact = fmp.explain(f, "float32", compare=True, grads=True)(W, X)
@@ -122,8 +124,7 @@ class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Conv(8, (3, 3), use_bias=False)(x)
-        x = nn.relu(nn.BatchNorm(use_running_average=False)(x))
-        return nn.Dense(4)(x.mean((1, 2)))
+        return nn.relu(nn.BatchNorm(use_running_average=False)(x))
 
 
 def test_planted_batchnorm_variance_in_bfloat16_is_named_and_fixed():
@@ -131,25 +132,27 @@ def test_planted_batchnorm_variance_in_bfloat16_is_named_and_fixed():
     # cancels and the gradients of every layer are far off; the backward culprit names the fix
     rules = fmp.DEFAULT_RULES.derive(lower_precision=["square", "reduce_sum"])
     x = jax.random.normal(K[3], (8, 6, 6, 3)) + 4.0
-    y = jax.random.randint(K[4], (8,), 0, 4)
+    y = jax.random.normal(K[4], (8, 6, 6, 8))
     net = Net()
-    variables = net.init(K[5], x)
+    variables = jax.jit(net.init)(K[5], x)
 
     def loss(params, x, y):
         out, _ = net.apply({"params": params, "batch_stats": variables["batch_stats"]}, x, mutable=["batch_stats"])
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], axis=1))
+        return jnp.mean(out * y)
 
     rep = fmp.explain(loss, rules=rules, compare=True, grads=True)(variables["params"], x, y)
     assert rep.grad_errors["['BatchNorm_0']['scale']"].error > 0.5
     culprits = [r for r in rep.worst(3, grads=True) if r.suggestion]
     assert culprits and culprits[0].scope == "Net/BatchNorm_0"
     assert culprits[0].suggestion == 'overrides={"Net/BatchNorm_0": "float32"}'
-    fixed = fmp.explain(loss, rules=rules, compare=True, grads=True, **apply(culprits[0].suggestion))(
-        variables["params"], x, y
-    )
-    for key, e in rep.grad_errors.items():
-        assert fixed.grad_errors[key].error < e.error / 10, key
-    assert all(e.error < 0.05 for e in fixed.grad_errors.values())
+    fix = apply(culprits[0].suggestion)
+    grads = jax.jit(jax.grad(fmp.autocast(loss, rules=rules, **fix)))(variables["params"], x, y)
+    ref = jax.jit(jax.grad(loss))(variables["params"], x, y)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        key = jax.tree_util.keystr(path)
+        fixed = rel(g, ref[path[0].key][path[1].key])
+        assert fixed < rep.grad_errors[key].error / 4 and fixed < 0.05, key
+    assert rel(grads["Conv_0"]["kernel"], ref["Conv_0"]["kernel"]) < rep.grad_errors["['Conv_0']['kernel']"].error / 10
     assert "['BatchNorm_0']['scale']" in str(rep)
 
 

@@ -1,7 +1,7 @@
 """``fmp.explain(..., compare=True, grads=True)``: the backward pass under the policy against the reference.
 
-Each gradient leaf is ``jax.grad(fmp.autocast(loss, ...))`` (the way users train, at the loss scale) against
-``jax.grad(loss)`` of the program as written. The backward operations are compared one by one on the
+Each gradient leaf is ``jax.grad(fmp.autocast(loss, ...))`` (the way users train: under ``jit``, at the loss
+scale) against ``jax.grad(loss)`` of the program as written (under ``jit`` too). The backward operations are compared one by one on the
 jaxpr of the policy's gradient: it is evaluated twice, once as is (the values users get) and once *lifted*
 (every float16/bfloat16 value, cast, literal and accumulation dtype widened to the reference dtype; the
 roundings fmp inserts are no-ops). Both runs execute the same equations, so each backward equation has a
@@ -246,6 +246,20 @@ def scope_of(stack: tuple) -> str:
     return "/".join(names)
 
 
+def _compiled(f: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """``f(*args)`` under ``jax.jit`` (one compilation, not one per operation), the array leaves traced."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+
+    def g(*xs: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(dyn, xs, strict=True):
+            full[i] = x
+        return f(*jax.tree_util.tree_unflatten(tree, full))
+
+    return jax.jit(g)(*(leaves[i] for i in dyn))
+
+
 def compare(
     fn: Callable[..., Any],
     policy_fn: Callable[..., Any],
@@ -258,7 +272,7 @@ def compare(
     rules: RuleSet,
 ) -> gr.GradReport:
     """The gradient comparison (see the module docstring)."""
-    ref = jax.grad(fn, argnums)(*args, **kwargs)
+    ref = _compiled(lambda *a: jax.grad(fn, argnums)(*a, **kwargs), args)
     paths, _ = jax.tree_util.tree_flatten_with_path(ref)
 
     def scaled(*a: Any) -> Any:
@@ -272,7 +286,7 @@ def compare(
     runs = _Runs(wide, forward, rules, scale, fp16)
     s_flat = [runs.lift(x) for x in flat]
     runs.eval(closed.jaxpr, closed.consts, flat, s_flat)
-    grads = jax.tree_util.tree_leaves(jax.grad(scaled, argnums)(*args))  # compiled as users run it
+    grads = jax.tree_util.tree_leaves(_compiled(jax.grad(scaled, argnums), args))
     if len(grads) != len(paths):
         raise RuntimeError("fmp.explain(grads=True): the policy's gradient has another structure than the reference")
     errors, lo, hi = {}, runs.range[0], runs.range[1]
