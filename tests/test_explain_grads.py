@@ -1,5 +1,7 @@
 """fmp.explain(compare=True, grads=True): each gradient leaf and each backward op against the reference."""
 
+import pathlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -167,3 +169,10 @@ def test_arguments_are_checked():
         fmp.explain(mlp, compare=True, grads=True, loss_scale="big")
     with pytest.raises(ValueError, match="grads=True"):
         _ = fmp.explain(mlp, compare=True)(PARAMS, X).grad_errors
+
+
+def test_debugging_guide_gradient_example_runs():
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "debugging.md").read_text()
+    section = page.split("### In the gradients", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "debugging.md", "exec"), {"__name__": "docs"})  # noqa: S102

@@ -65,6 +65,20 @@ def explain(
     and ``shard_map`` bodies are not compared yet (a ``NotImplementedError``
     says so).
 
+    With ``grads=True`` as well, ``report.grad_errors`` maps each gradient leaf
+    of the ``argnums`` arguments (its key path, as ``jax.tree_util.keystr``
+    writes it) to a ``GradError``: the relative L2 error and cosine of
+    ``jax.grad(fmp.autocast(fn, ...))`` (compiled, as users train) against
+    ``jax.grad(fn)`` of the program as written. ``report.grad_rows`` holds one
+    row per backward operation with the forward rows' fields, compared with the
+    same backward evaluated with every float16/bfloat16 dtype widened (for a
+    program that writes no low-precision dtypes itself, the reference's own
+    backward); ``report.worst(k, grads=True)`` lists the culprits, whose
+    ``suggestion`` is the fix of the forward operation they differentiate.
+    Under a float16 policy the backward runs at ``loss_scale`` and each leaf
+    says which fraction of it float16 flushes to zero or holds as subnormals
+    there, and which powers of two hold it (``scale_needed``, ``scale_max``).
+
     Args:
       fn: The function to inspect.
       policy: As for `fmp.autocast`.
@@ -73,9 +87,16 @@ def explain(
       fp8_state: As for `fmp.autocast`: under a delayed float8 policy, the sites are
         labelled ``delayed`` only with a state (without one they run, and say, ``tensorwise (no state)``).
       compare: Run the program and compare every op with the program as written.
+      grads: With ``compare=True``: compare the gradients and the backward operations too
+        (``fn`` returns a scalar loss).
+      argnums: Which positional arguments to differentiate, as for ``jax.grad``.
+      loss_scale: The scale the policy's backward runs at (a number or an `fmp.GradScaler`, whose
+        current scale is used); default ``2**16`` (a new GradScaler's) for a float16 compute dtype, else 1.
 
     Raises:
-      TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``).
+      TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``), or a
+        ``grads``, ``argnums`` or ``loss_scale`` of the wrong type.
+      ValueError: ``grads=True`` without ``compare=True``, or a ``loss_scale`` that is not finite and > 0.
       NotImplementedError: ``compare=True`` on a ``while``, ``cond`` or ``shard_map`` body, or
         together with ``fp8_state``.
 
@@ -91,6 +112,15 @@ def explain(
       >>> top = rep.worst(1)[0]
       >>> top.op, top.added_error > 1e-3, top.suggestion
       ('exp', True, 'rules=rules.derive(float32=["exp"])')
+      >>> def loss(p, x):
+      ...     return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+      >>> params, x = {"w": jnp.eye(8) / 4}, jnp.linspace(-2.0, 2.0, 32).reshape(4, 8)
+      >>> rep = fmp.explain(loss, "mixed_float16", compare=True, grads=True)(params, x)
+      >>> err = rep.grad_errors["['w']"]
+      >>> bool(err.error < 1e-2), bool(err.cosine > 0.9999), err.underflow, rep.grads.loss_scale
+      (True, True, 0.0, 65536.0)
+      >>> rep.worst(1, grads=True)[0].category
+      'backward'
     """
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
