@@ -122,7 +122,8 @@ class _Runs:
                 raise NotImplementedError("fmp.explain(grads=True): a lifted body captured constants")
             return closed.jaxpr
         if isinstance(v, tuple) and any(isinstance(x, ClosedJaxpr) for x in v):
-            return tuple(self._param(x) for x in v)
+            new = [self._param(x) for x in v]
+            return type(v)(*new) if hasattr(v, "_fields") else tuple(new)  # a named tuple keeps its type
         if callable(v) and not isinstance(v, type | np.dtype):
             raise NotImplementedError(
                 "fmp.explain(grads=True) cannot widen a primitive that carries a Python function "
@@ -277,7 +278,8 @@ def compare(
 
     def scaled(*a: Any) -> Any:
         loss = policy_fn(*a, **kwargs)
-        return loss * jnp.asarray(scale, loss.dtype)
+        wide = jnp.promote_types(loss.dtype, jnp.float32)  # scaled in float32 at least, as fmp.value_and_grad does
+        return loss.astype(wide) * jnp.asarray(scale, wide)
 
     closed = jax.make_jaxpr(jax.grad(scaled, argnums))(*args)
     flat = jax.tree_util.tree_leaves(args)
