@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fmp._autocast import _compare
+import jax.numpy as jnp
+
+from fmp._autocast import _compare, _compare_grads
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
 from fmp._autocast._fp8_checks import check_state
 from fmp._autocast._rows import flops
 from fmp._autocast._transform import configure, make_context, rewrite_top
+from fmp._autocast._wrap import autocast
 from fmp._core._report import Report
 from fmp._core._rules import RuleSet
 from fmp._fp8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
+from fmp._scaler import GradScaler
 
 _MSG_COMPARE_STATE = (
     "fmp.explain(..., compare=True) does not take fp8_state yet: compare without it (delayed float8 sites then "
     "run, and are compared as, current scaling), or call explain without compare=True to see the delayed rows."
 )
+
 
 def explain(
     fn: Callable[..., Any],
@@ -29,6 +35,9 @@ def explain(
     overrides: Mapping[str, Any] | None = None,
     fp8_state: Float8State | None = None,
     compare: bool = False,
+    grads: bool = False,
+    argnums: int | Sequence[int] = 0,
+    loss_scale: float | GradScaler | None = None,
 ) -> Callable[..., Report]:
     """Reports the dtype every operation of ``fn`` runs in under `fmp.autocast`.
 
@@ -57,6 +66,20 @@ def explain(
     and ``shard_map`` bodies are not compared yet (a ``NotImplementedError``
     says so).
 
+    With ``grads=True`` as well, ``report.grad_errors`` maps each gradient leaf
+    of the ``argnums`` arguments (its key path, as ``jax.tree_util.keystr``
+    writes it) to a ``GradError``: the relative L2 error and cosine of
+    ``jax.grad(fmp.autocast(fn, ...))`` (compiled, as users train) against
+    ``jax.grad(fn)`` of the program as written. ``report.grad_rows`` holds one
+    row per backward operation with the forward rows' fields, compared with the
+    same backward evaluated with every float16/bfloat16 dtype widened (for a
+    program that writes no low-precision dtypes itself, the reference's own
+    backward); ``report.worst(k, grads=True)`` lists the culprits, whose
+    ``suggestion`` is the fix of the forward operation they differentiate.
+    Under a float16 policy the backward runs at ``loss_scale`` and each leaf
+    says which fraction of it float16 flushes to zero or holds as subnormals
+    there, and which powers of two hold it (``scale_needed``, ``scale_max``).
+
     Args:
       fn: The function to inspect.
       policy: As for `fmp.autocast`.
@@ -65,9 +88,16 @@ def explain(
       fp8_state: As for `fmp.autocast`: under a delayed float8 policy, the sites are
         labelled ``delayed`` only with a state (without one they run, and say, ``tensorwise (no state)``).
       compare: Run the program and compare every op with the program as written.
+      grads: With ``compare=True``: compare the gradients and the backward operations too
+        (``fn`` returns a scalar loss).
+      argnums: Which positional arguments to differentiate, as for ``jax.grad``.
+      loss_scale: The scale the policy's backward runs at (a number or an `fmp.GradScaler`, whose
+        current scale is used); default ``2**16`` (a new GradScaler's) for a float16 compute dtype, else 1.
 
     Raises:
-      TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``).
+      TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``), or a
+        ``grads``, ``argnums`` or ``loss_scale`` of the wrong type.
+      ValueError: ``grads=True`` without ``compare=True``, or a ``loss_scale`` that is not finite and > 0.
       NotImplementedError: ``compare=True`` on a ``while``, ``cond`` or ``shard_map`` body, or
         together with ``fp8_state``.
 
@@ -83,6 +113,15 @@ def explain(
       >>> top = rep.worst(1)[0]
       >>> top.op, top.added_error > 1e-3, top.suggestion
       ('exp', True, 'rules=rules.derive(float32=["exp"])')
+      >>> def loss(p, x):
+      ...     return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+      >>> params, x = {"w": jnp.eye(8) / 4}, jnp.linspace(-2.0, 2.0, 32).reshape(4, 8)
+      >>> rep = fmp.explain(loss, "mixed_float16", compare=True, grads=True)(params, x)
+      >>> err = rep.grad_errors["['w']"]
+      >>> bool(err.error < 1e-2), bool(err.cosine > 0.9999), err.underflow, rep.grads.loss_scale
+      (True, True, 0.0, 65536.0)
+      >>> rep.worst(1, grads=True)[0].category
+      'backward'
     """
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
@@ -91,6 +130,7 @@ def explain(
         raise TypeError(f"explain(compare=...) expects True or False, got {compare!r}")
     if compare and fp8_state is not None:
         raise NotImplementedError(_MSG_COMPARE_STATE)
+    argnums, scale = _grad_args(compare, grads, argnums, loss_scale, config.policy)
     if fp8_state is not None:
         check_state(fp8_state, config.policy, config.overrides, str(config.policy))
 
@@ -105,9 +145,42 @@ def explain(
             rewrite_top(closed, ctx)
         if sites is not None:
             sites.finish()
-        return Report(tuple(ctx.records or ()), policy=str(config.policy), framework="jax", compared=compare)
+        records = tuple(ctx.records or ())
+        back = None
+        if grads:
+            fp16 = config.policy.compute_dtype == jnp.float16
+            s = scale if scale is not None else (_FP16_SCALE if fp16 else 1.0)
+            policy_fn = autocast(fn, policy, rules=rules, overrides=overrides)
+            back = _compare_grads.compare(fn, policy_fn, args, kwargs, argnums, s, fp16, records, config.rules)
+        return Report(records, policy=str(config.policy), framework="jax", compared=compare, grads=back)
 
     return run
+
+
+_FP16_SCALE = 2.0**16  # fmp.GradScaler's initial scale
+
+
+def _grad_args(compare: bool, grads: bool, argnums: Any, loss_scale: Any, policy: Policy) -> tuple[Any, Any]:
+    """Validates the gradient arguments: ``(argnums, scale or None)``."""
+    if not isinstance(grads, bool):
+        raise TypeError(f"explain(grads=...) expects True or False, got {grads!r}")
+    if grads and not compare:
+        raise ValueError("explain(grads=True) compares gradients: pass compare=True as well")
+    if isinstance(argnums, int) and not isinstance(argnums, bool):
+        pass
+    elif isinstance(argnums, Sequence) and argnums and all(type(a) is int for a in argnums):
+        argnums = tuple(argnums)
+    else:
+        raise TypeError(f"explain(argnums=...) expects an int or a sequence of ints, as jax.grad, got {argnums!r}")
+    if isinstance(loss_scale, GradScaler):
+        loss_scale = float(loss_scale.loss_scale)
+    if loss_scale is not None:
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, int | float):
+            raise TypeError(f"explain(loss_scale=...) expects a number or an fmp.GradScaler, got {loss_scale!r}")
+        if not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"explain(loss_scale=...) must be finite and > 0, got {loss_scale!r}")
+        loss_scale = float(loss_scale)
+    return argnums, loss_scale
 
 
 __all__ = ["explain", "flops"]

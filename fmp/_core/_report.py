@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from fmp._core._grad_report import GradReport, format_grads
+
 
 @dataclasses.dataclass(frozen=True)
 class OpRecord:
@@ -57,6 +59,9 @@ class OpRecord:
       error_mean, added_error_mean: Inside a ``scan`` body, the means over the
         iterations (the fields above hold the worst iteration's); else ``None``.
       iterations: How many iterations the row stands for (1 outside loops).
+      underflow: A backward row with float16 outputs (``grads=True``): the fraction of the reference
+        values' nonzero elements below float16's normal range at the loss scale (rounded to zero, or
+        subnormal, which fmp's casts flush to zero); else ``None``.
     """
 
     index: int
@@ -82,6 +87,7 @@ class OpRecord:
     error_mean: float | None = None
     added_error_mean: float | None = None
     iterations: int = 1
+    underflow: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,18 +122,36 @@ class Report:
     ``str(report)`` is a readable table; ``report.to_dict()`` a JSON-ready dict.
     ``compared``: the rows carry errors against the program as written
     (``fmp.explain(..., compare=True)``); the table then starts with the worst ops.
+    ``grads``: the backward comparison (``grads=True``), else ``None``.
     """
 
     records: tuple[OpRecord, ...]
     policy: str
     framework: str
     compared: bool = False
+    grads: GradReport | None = None
 
-    def worst(self, k: int = 10) -> tuple[OpRecord, ...]:
-        """The ``k`` compared rows with the largest ``added_error``, rows with non-finite values first."""
+    def worst(self, k: int = 10, *, grads: bool = False) -> tuple[OpRecord, ...]:
+        """The ``k`` compared rows with the largest ``added_error``, rows with non-finite values first
+        (``grads=True``: of the backward rows)."""
         if not self.compared:
             raise ValueError("Report.worst needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
-        return worst_rows(self.records, k)
+        return worst_rows(self.grad_rows if grads else self.records, k)
+
+    @property
+    def grad_errors(self) -> dict[str, Any]:
+        """Key path of each gradient leaf -> its ``GradError`` (``grads=True``)."""
+        return dict(self._grads().errors)
+
+    @property
+    def grad_rows(self) -> tuple[OpRecord, ...]:
+        """One compared row per backward operation (``grads=True``)."""
+        return self._grads().rows
+
+    def _grads(self) -> GradReport:
+        if self.grads is None:
+            raise ValueError("the report has no gradients: call fmp.explain(loss, policy, compare=True, grads=True)")
+        return self.grads
 
     def plot(self, k: int = 10, *, ax: Any = None, path: Any = None) -> Any:
         """Draws the errors along the program and the ``k`` worst ops (needs matplotlib: the ``plot`` extra).
@@ -196,6 +220,7 @@ class Report:
             "compared": self.compared,
             "records": [r.to_dict() for r in self.records],
             "summary": self.summary,
+            **({"grads": self.grads.to_dict()} if self.grads is not None else {}),
         }
 
     def filter(self, *, op: str | None = None, category: str | None = None) -> Report:
@@ -209,7 +234,13 @@ class Report:
         table = format_table(
             self.records, self.summary, title=f"fmp precision report ({self.framework}, {self.policy})"
         )
-        return f"{format_worst(worst_rows(self.records, 10))}\n\n{table}" if self.compared else table
+        if not self.compared:
+            return table
+        text = f"{format_worst(worst_rows(self.records, 10))}\n\n{table}"
+        if self.grads is not None:
+            back = format_worst(worst_rows(self.grads.rows, 10), title="worst backward ops (vs the lifted backward)")
+            text += f"\n\n{format_grads(self.grads)}\n\n{back}"
+        return text
 
 
 def _rank(r: OpRecord) -> tuple[bool, float, int, float]:
@@ -226,9 +257,11 @@ def _num(x: float | None, fmt: str = ".2e") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def format_worst(rows: Iterable[OpRecord]) -> str:
+def format_worst(
+    rows: Iterable[OpRecord], title: str = "worst ops (own error first; error = relative L2 vs the program as written)"
+) -> str:
     """The worst ops, one block each: errors, where in the source, and the suggested fix."""
-    out = ["worst ops (own error first; error = relative L2 vs the program as written)"]
+    out = [title]
     for r in rows:
         flag = "  NON-FINITE" if r.nonfinite else ""
         out.append(
@@ -240,6 +273,7 @@ def format_worst(rows: Iterable[OpRecord]) -> str:
                 if r.iterations > 1
                 else ""
             )
+            + (f"; {r.underflow:.1%} below float16's normal range" if r.underflow else "")
         )
         where = "  ".join(x for x in (r.scope and f"scope {r.scope}", r.source) if x)
         if where:
