@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -87,6 +87,23 @@ class OpRecord:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class GradError:
+    """One gradient of the policy run against the same gradient of the program as written.
+
+    Attributes:
+      error: Relative L2 error (inf when the policy's gradient has inf/NaN where the reference's is finite).
+      cosine: Cosine similarity of the two gradients (``None`` when either is all zeros).
+      max_abs_error: Largest absolute difference.
+      nonfinite: inf/NaN appeared in the policy's gradient where the reference's is finite.
+    """
+
+    error: float | None
+    cosine: float | None
+    max_abs_error: float | None
+    nonfinite: bool = False
+
+
 LOW = ("bfloat16", "float16")
 _LOCATION = re.compile(r"(?P<path>.+?)(?P<rest>:\d+.*)")
 
@@ -116,12 +133,15 @@ class Report:
     ``str(report)`` is a readable table; ``report.to_dict()`` a JSON-ready dict.
     ``compared``: the rows carry errors against the program as written
     (``fmp.explain(..., compare=True)``); the table then starts with the worst ops.
+    ``grad_errors``: with ``grads=True``, each parameter's gradient against the
+    reference gradient (`GradError`), keyed by its name.
     """
 
     records: tuple[OpRecord, ...]
     policy: str
     framework: str
     compared: bool = False
+    grad_errors: Mapping[str, GradError] = dataclasses.field(default_factory=dict)
 
     def worst(self, k: int = 10) -> tuple[OpRecord, ...]:
         """The ``k`` compared rows with the largest ``added_error``, rows with non-finite values first."""
@@ -161,6 +181,7 @@ class Report:
             "policy": self.policy,
             "compared": self.compared,
             "records": [r.to_dict() for r in self.records],
+            "grad_errors": {k: dataclasses.asdict(v) for k, v in self.grad_errors.items()},
             "summary": self.summary,
         }
 
@@ -175,7 +196,10 @@ class Report:
         table = format_table(
             self.records, self.summary, title=f"fmp precision report ({self.framework}, {self.policy})"
         )
-        return f"{format_worst(worst_rows(self.records, 10))}\n\n{table}" if self.compared else table
+        if not self.compared:
+            return table
+        grads = f"\n\n{format_grads(self.grad_errors, 10)}" if self.grad_errors else ""
+        return f"{format_worst(worst_rows(self.records, 10))}{grads}\n\n{table}"
 
 
 def _rank(r: OpRecord) -> tuple[bool, float, int, float]:
@@ -212,6 +236,16 @@ def format_worst(rows: Iterable[OpRecord]) -> str:
             out.append(f"    at {where}")
         if r.suggestion:
             out.append(f"    fix: {r.suggestion}")
+    return "\n".join(out)
+
+
+def format_grads(errors: Mapping[str, GradError], k: int) -> str:
+    """The ``k`` gradients with the largest relative error, one line each."""
+    ranked = sorted(errors.items(), key=lambda kv: (kv[1].nonfinite, kv[1].error or 0.0), reverse=True)
+    out = ["worst gradients (relative L2 and cosine vs the program as written)"]
+    for name, g in ranked[:k]:
+        flag = "  NON-FINITE" if g.nonfinite else ""
+        out.append(f"{name}: error {_num(g.error)}, cosine {_num(g.cosine, '.6f')}{flag}")
     return "\n".join(out)
 
 
