@@ -1,7 +1,7 @@
 """The error statistics of ``explain_fx(compare=True)`` on torch tensors, by the JAX side's formulas.
 
 The sums, maxima and non-finite checks are ``fmp._autocast._compare_stats._parts`` run with ``torch``
-as the array library (in float64, on the tensors' own device), and the totals are its ``combine``: one
+as the array library (on the tensors' own device), and the totals are its ``combine``: one
 definition of every number the two frameworks report.
 """
 
@@ -29,9 +29,11 @@ def _kind(x: Any) -> str:
 
 
 def float_parts(p: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``_parts`` of one floating output against its reference, in float64."""
+    """``_parts`` of one floating output against its reference: in float32 (the sums are scaled, so none
+    overflows), in float64 when either is float64, as the JAX side's compiled statistics."""
+    wide = torch.float64 if torch.float64 in (p.dtype, r.dtype) else torch.float32
     with torch.no_grad():
-        return _parts(torch, p.detach().to(torch.float64), r.detach().to(torch.float64), _top)
+        return _parts(torch, p.detach().to(wide), r.detach().to(wide), _top)
 
 
 def output_stats(outs: Any, refs: Any) -> tuple[Any, Any, Any, bool, int]:
