@@ -209,12 +209,14 @@ def compare(
                     back = {a: round_as(r_in[a], _val(env[a])) for a in r_in}
                     baseline = _alone(bound, b, back, ref.interp)
             i = row_of[n]
-            made = _low_producers(b, env, row_of, rows)
             down = any(
                 a in casts and a.target is _TO_COPY and str(a.kwargs.get("dtype")).removeprefix("torch.") in LOW
                 for a in n.all_input_nodes
             )
-            rows[i] = _attach(rows[i], pol.env[n], ref.env[b], alone, baseline, [] if down else made, rules)
+            rows[i] = _attach(rows[i], pol.env[n], ref.env[b], alone, baseline, rules)
+            if rows[i].flips:  # a discrete op's fix is where its inputs lost their precision
+                made = [] if down else _low_producers(b, env, row_of, rows)
+                rows[i] = dataclasses.replace(rows[i], suggestion=suggestion(rows[i], rules, made, framework="torch"))
     return rows
 
 
@@ -243,15 +245,13 @@ def _low_producers(
     return [found[i] for i in sorted(found)]
 
 
-def _attach(
-    row: OpRecord, out: Any, ref: Any, alone: Any, baseline: Any, made: list[OpRecord], rules: RuleSet
-) -> OpRecord:
+def _attach(row: OpRecord, out: Any, ref: Any, alone: Any, baseline: Any, rules: RuleSet) -> OpRecord:
     err, sqnr, max_abs, nonfinite, flips = output_stats(out, ref)
     added = output_stats(alone, baseline)[0] if alone is not None and baseline is not None else None
     row = dataclasses.replace(
         row, error=err, added_error=added, sqnr_db=sqnr, max_abs_error=max_abs, nonfinite=nonfinite, flips=flips
     )
-    fix = suggestion(row, rules, made, framework="torch")
+    fix = suggestion(row, rules, framework="torch")
     return dataclasses.replace(row, suggestion=fix) if fix else row
 
 

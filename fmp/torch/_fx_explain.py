@@ -23,11 +23,11 @@ from fmp.torch._fx_policy import check_overrides, float8_recipe
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
+_MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
 _MSG_FLOAT8 = (
     "explain_fx(compare=True) does not compare float8 policies yet: compare under the policy without fp8 "
     "(e.g. 'mixed_bfloat16'), or call explain_fx without compare=True to see the float8 rows."
 )
-_MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
 
 
 def _source(node: torch.fx.Node | None) -> str:
