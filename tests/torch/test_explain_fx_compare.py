@@ -267,3 +267,27 @@ def test_autocast_fx_float32_override_runs_the_module_as_written():
     assert torch.equal(gm(x), model[2](hidden.float()))  # the last layer as written, on its float32 input
     with pytest.raises(NotImplementedError, match="other than float32"):
         fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"2": "mixed_float16"})
+
+
+def test_the_runs_stream_values_not_every_intermediate(monkeypatch):
+    from fmp.torch import _fx_compare
+
+    peak = []
+    until = _fx_compare._Runner.until
+
+    def counted(self, target):
+        out = until(self, target)
+        peak.append(sum(1 for n in self.env if n.op == "call_function"))  # parameters cost nothing
+        return out
+
+    monkeypatch.setattr(_fx_compare._Runner, "until", counted)
+    lin = nn.Linear(16, 16)
+
+    def deep(x):
+        for _ in range(40):
+            x = torch.tanh(lin(x))
+        return x
+
+    rep = fmp.torch.explain_fx(deep, (torch.randn(4, 16),), CPU, compare=True)
+    assert len([r for r in rep.records if r.op == "aten::tanh"]) == 40
+    assert max(peak) <= 8  # a few live values per run, not the 80+ intermediates
