@@ -291,3 +291,14 @@ def test_the_runs_stream_values_not_every_intermediate(monkeypatch):
     rep = fmp.torch.explain_fx(deep, (torch.randn(4, 16),), CPU, compare=True)
     assert len([r for r in rep.records if r.op == "aten::tanh"]) == 40
     assert max(peak) <= 8  # a few live values per run, not the 80+ intermediates
+
+
+def test_a_model_run_as_written_reports_zero_everywhere():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Block()), torch.randn(32, 16)  # every op inside submodule "0"
+    rep = fmp.torch.explain_fx(
+        model, (x,), CPU, rules=SOFTMAX_BF16, compare=True, grads=False, overrides={"0": "float32"}
+    )
+    compared = [r for r in rep.records if r.error is not None]
+    assert len(compared) > 10 and all(r.category in ("override", "cast") for r in rep.records)
+    assert all(r.error == 0.0 and r.added_error == 0.0 and r.suggestion is None for r in compared)
