@@ -192,7 +192,7 @@ def explain_fx(
       [('aten::_to_copy', 'cast', ('bfloat16',)), ('aten::_to_copy', 'cast', ('bfloat16',)),
        ('aten::_to_copy', 'cast', ('bfloat16',)), ('aten::linear', 'lower_precision', ('bfloat16',))]
       >>> rules = fmp.DEFAULT_RULES.derive(framework="torch", lower_precision=["aten::softmax.int"])
-      >>> logits = torch.randn(8, 16) + 100.0  # large logits: a softmax in bfloat16 loses them
+      >>> logits = torch.linspace(0.0, 4.0, 128).reshape(8, 16) + 100.0  # large: bfloat16 loses them
       >>> rep = fmp.torch.explain_fx(lambda x: x.softmax(-1), (logits,), "cpu", rules=rules, compare=True)
       >>> top = rep.worst(1)[0]
       >>> top.op, top.added_error > 0.1, top.suggestion
