@@ -50,24 +50,30 @@ def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> tuple[Any, Any, An
     is finite (then ``error`` is inf); ``flips`` counts changed integer and
     boolean elements. Sums of squares are scaled, so no value overflows them.
     """
-    signal = noise = max_abs = 0.0
-    compared, nonfinite, flips = False, False, 0
+    parts, flips = [], 0
     for p, r in zip(outs, refs, strict=True):
         kind = _kind(r)
         if kind == "discrete":
             flips += int(np.count_nonzero(np.asarray(p) != np.asarray(r)))
         if kind != "float" or _kind(p) != "float":
             continue
-        compared = True
         wide = jnp.float64 if "float64" in (np.dtype(p.dtype).name, np.dtype(r.dtype).name) else jnp.float32
-        parts = _float_stats(p, r, wide) if np.size(r) >= _ON_DEVICE else _float_stats_np(p, r, wide)
-        r_max, r_sq, d_max, d_sq, bad, over = (float(x) for x in parts)
+        parts.append(_float_stats(p, r, wide) if np.size(r) >= _ON_DEVICE else _float_stats_np(p, r, wide))
+    return combine(parts, flips)
+
+
+def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> tuple[Any, Any, Any, bool, int]:
+    """``output_stats`` from the ``_parts`` of each floating output (any array library's scalars)."""
+    if not parts:
+        return None, None, None, False, flips
+    signal = noise = max_abs = 0.0
+    nonfinite = False
+    for part in parts:
+        r_max, r_sq, d_max, d_sq, bad, over = (float(x) for x in part)
         nonfinite |= bool(over)
         signal += r_max * r_max * r_sq
         noise += math.inf if bad else d_max * d_max * d_sq
         max_abs = max(max_abs, math.inf if bad else d_max)
-    if not compared:
-        return None, None, None, False, flips
     if noise == 0.0:
         return 0.0, math.inf, max_abs, nonfinite, flips
     error = math.sqrt(noise / signal) if signal > 0.0 else math.inf
@@ -78,16 +84,19 @@ def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> tuple[Any, Any, An
 _ON_DEVICE = 1 << 16  # elements from which the statistics run compiled, not in NumPy
 
 
-def _parts(xp: Any, p: Any, r: Any) -> tuple[Any, ...]:
+def _parts(xp: Any, p: Any, r: Any, top: Any = None) -> tuple[Any, ...]:
     """Largest |reference| and sum of squares scaled by it, the same of the difference, any non-finite
-    difference, any non-finite value where the reference is finite (``xp``: ``numpy`` or ``jax.numpy``)."""
+    difference, any non-finite value where the reference is finite (``xp``: ``numpy``, ``jax.numpy`` or
+    ``torch``; ``top``: the largest element of a non-negative array, 0 when empty, if ``xp.max`` has no
+    ``initial``)."""
+    top = top or (lambda x: xp.max(x, initial=0.0))
     same = (p == r) | (xp.isnan(p) & xp.isnan(r))
     diff = xp.where(same, 0.0, p - r)
     finite = xp.isfinite(r)
     ok = xp.isfinite(diff)
     r0 = xp.abs(xp.where(finite, r, 0.0))
     d0 = xp.abs(xp.where(ok, diff, 0.0))
-    r_max, d_max = xp.max(r0, initial=0.0), xp.max(d0, initial=0.0)
+    r_max, d_max = top(r0), top(d0)
     r_sq = xp.sum(xp.square(r0 / xp.where(r_max > 0, r_max, 1.0)))
     d_sq = xp.sum(xp.square(d0 / xp.where(d_max > 0, d_max, 1.0)))
     return r_max, r_sq, d_max, d_sq, xp.any(~ok), xp.any(~xp.isfinite(p) & finite)
@@ -116,12 +125,15 @@ def needs_fix(row: OpRecord) -> bool:
     return not math.isfinite(row.added_error) or row.added_error > FAR * unit_roundoff(row)
 
 
-def suggestion(row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = ()) -> str | None:
+def suggestion(
+    row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = (), framework: str = "jax"
+) -> str | None:
     """Code to paste that runs the op in float32: an override of its scope, or a rule-table move.
 
     A discrete op whose outputs changed (``top_k`` on bfloat16 logits) is fixed where its inputs lost
     their precision: ``producers``, the rows that made its inputs (empty when the op rounded its inputs
     down itself), are named when they ran in low precision; with none, the flips are inherited.
+    ``framework="torch"`` moves ``aten::`` ops in the rule-table line.
     """
     culprits = [row]
     if row.flips:
@@ -137,4 +149,5 @@ def suggestion(row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = ()
         return f"overrides={{{scopes}}}"
     base = "fmp.DEFAULT_RULES" if rules is DEFAULT_RULES else "rules"
     ops = ", ".join(f'"{op}"' for op in dict.fromkeys(c.op for c in culprits))
-    return f"rules={base}.derive(float32=[{ops}])"
+    where = 'framework="torch", ' if framework == "torch" else ""
+    return f"rules={base}.derive({where}float32=[{ops}])"

@@ -30,9 +30,7 @@ class GradError:
       nonfinite: inf/NaN in the policy gradient where the reference is finite.
       underflow: Under a float16 policy: the fraction of the reference gradient's nonzero elements that
         round to zero in float16 at the loss scale; ``None`` otherwise.
-      subnormal: The fraction that is subnormal there: a float16 cast keeps it with fewer significant bits,
-        but the rounding fmp adds where a float16 value is cast up (``lax.reduce_precision``) flushes
-        float16 subnormals to zero, so a value crossing such a cast is lost as well.
+      subnormal: The fraction that is subnormal there: float16 keeps it with fewer significant bits.
       scale_needed: The smallest power of two that lifts the gradient into float16's normal range: every
         element but the smallest ones, whose joint L2 norm is below float16's unit roundoff (2^-11) of the
         gradient's (losing them costs less than rounding the gradient to float16 does).
@@ -151,7 +149,7 @@ def format_grads(g: GradReport) -> str:
         head, rows = head[:3], [row[:3] for row in rows]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
-    out = [f"gradients (jax.grad under the policy at loss scale {_pow2(g.loss_scale)} vs the program as written)"]
+    out = [f"gradients (under the policy at loss scale {_pow2(g.loss_scale)} vs the program as written)"]
     out += [line, "-" * len(line)]
     out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     if g.float16:

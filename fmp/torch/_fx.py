@@ -23,7 +23,7 @@ from fmp._core._rules import RuleSet
 from fmp.torch._fx_casts import GRAD_LEAF, is_grad_leaf
 from fmp.torch._fx_common import Event, ambient_autocast
 from fmp.torch._fx_float8 import apply_float8
-from fmp.torch._fx_policy import float8_opt_outs, float8_recipe, resolve_policy
+from fmp.torch._fx_policy import check_overrides, float8_recipe, resolve_policy
 from fmp.torch._fx_rewrite import Rewriter
 from fmp.torch._fx_trace_errors import check_meta, check_outputs, raise_trace_failure, warn_traced_moves
 
@@ -54,12 +54,18 @@ def rewrite(
     dtype: torch.dtype,
     rules: RuleSet,
     events: list[Event] | None = None,
+    written: tuple[str, ...] = (),
+    env: dict[torch.fx.Node, Any] | None = None,
 ) -> torch.fx.GraphModule:
-    """The transform behind `autocast_graph` (policy already resolved)."""
+    """The transform behind `autocast_graph` (policy already resolved).
+
+    ``written``: module path substrings whose ops run as written (float32 overrides); ``env``, when
+    given, receives each node of ``graph_module`` mapped to what stands for its value in the new graph.
+    """
     check_meta(graph_module.graph)
     attrs = _attrs(graph_module)
-    rw = Rewriter(rules, {device_type: (True, dtype)}, _fake_mode_of(graph_module.graph), attrs, events)
-    out = rw.run(graph_module.graph, {})
+    rw = Rewriter(rules, {device_type: (True, dtype)}, _fake_mode_of(graph_module.graph), attrs, events, written)
+    out = rw.run(graph_module.graph, {} if env is None else env)
     rw.graph.output(out)
     rw.graph._codegen = graph_module.graph._codegen
     for node in list(rw.graph.nodes):  # submodules of inlined wrap_with_autocast regions
@@ -168,6 +174,9 @@ def trace(
         out_spec.append(spec)
         return out_leaves
 
+    if module is not None:  # make_fx records each node's module path (nn_module_stack) from this root
+        flat._orig_mod = module  # type: ignore[attr-defined]
+
     # Traced with torch's autocast state on, as the eager program runs: Python code that asks
     # torch.is_autocast_enabled() (MultiheadAttention's fast path, user branches) takes the same path,
     # and ops that only run once autocast cast their inputs (linalg on bfloat16) trace. The nodes are
@@ -184,7 +193,12 @@ def trace(
         try:
             with ctx:
                 gm = make_fx(
-                    flat, pre_dispatch=True, tracing_mode=mode, _allow_non_fake_inputs=True, record_stack_traces=True
+                    flat,
+                    pre_dispatch=True,
+                    tracing_mode=mode,
+                    _allow_non_fake_inputs=True,
+                    record_stack_traces=True,
+                    record_module_stack=True,
                 )(*leaves)
             break
         except (RuntimeError, NotImplementedError, Warning) as err:  # Warning: when warnings are errors
@@ -289,10 +303,13 @@ def autocast_fx(
       device_type: ``"cpu"`` or ``"cuda"``.
       dtype: ``torch.bfloat16`` or ``torch.float16``.
       rules: A custom ``fmp.RuleSet``; ``fmp.DEFAULT_RULES`` if None.
-      overrides: Under a float8 policy, ``{module_path_substring: policy}`` opts modules out of float8:
-        a matmul whose weight's module path (``lm_head`` for ``lm_head.weight``) contains a key runs in
-        the compute dtype. Values are policies without fp8 and with the same compute dtype
-        (``{"lm_head": "mixed_bfloat16"}``).
+      overrides: ``{module_path_substring: policy}``. ``"float32"`` runs every op whose module path
+        (``"layers.0.self_attn"``, the path of ``model.get_submodule``) contains the key as written: no
+        autocast casts, its inputs returned to the dtypes they have without autocast (what
+        `explain_fx` suggests for an op that loses precision). Under a float8 policy, a policy without
+        fp8 and with the same compute dtype (``{"lm_head": "mixed_bfloat16"}``) opts modules out of
+        float8: a matmul whose weight's module path (``lm_head`` for ``lm_head.weight``) contains a key
+        runs in the compute dtype.
 
     Returns:
       A ``torch.fx.GraphModule``.
@@ -307,7 +324,7 @@ def autocast_fx(
         ``overrides`` value that asks for more than opting a module out of float8.
 
     Warns:
-      UserWarning: an ``overrides`` key matches no float8 matmul's module path.
+      UserWarning: a float8 opt-out key of ``overrides`` matches no float8 matmul's module path.
 
     Examples:
       >>> import torch
@@ -320,13 +337,16 @@ def autocast_fx(
       >>> fp8 = fmp.torch.autocast_fx(lin, (torch.ones(2, 4),), "mixed_float8")
       >>> [n.name for n in fp8.graph.nodes if n.op == "call_function" and "float8" in n.name]
       ['float8_linear']
+      >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+      >>> fmp.torch.autocast_fx(seq, (torch.ones(2, 4),), "cpu", overrides={"1": "float32"})(torch.ones(2, 4)).dtype
+      torch.float32
     """
     device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules, float8=True)
     recipe = float8_recipe(policy)
-    opt_out = float8_opt_outs(overrides, policy, recipe, dtype)
+    opt_out, written = check_overrides(overrides, policy, recipe, dtype)
     gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = bind_state(gm, module, names, codegen)
     if recipe is not None:
-        apply_float8(bound, recipe, opt_out, device_type, dtype, _fake_mode_of(bound.graph))
-    return rewrite(bound, device_type, dtype, rules)
+        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, _fake_mode_of(bound.graph), written)
+    return rewrite(bound, device_type, dtype, rules, written=written)

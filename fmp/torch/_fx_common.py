@@ -78,6 +78,15 @@ class Event:
     detail: str = ""  # a float8 row: its recipe and the op it replaced
 
 
+def module_path(node: torch.fx.Node | None) -> str:
+    """The path of the innermost module a node ran in (``"layers.0.attn"``), from ``nn_module_stack``; ``""``."""
+    stack = node.meta.get("nn_module_stack") if node is not None else None
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return str(path)
+
+
 def _float_names(vals: Any) -> tuple[str, ...]:
     leaves = pytree.tree_leaves(vals)
     return tuple(str(v.dtype).removeprefix("torch.") for v in leaves if _is_tensor(v) and v.dtype.is_floating_point)

@@ -5,24 +5,30 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 import fmp
+from fmp._core._grad_report import GradReport
 from fmp._core._report import OpRecord, Report, short_source
 from fmp._core._rules import RuleSet
-from fmp.torch import _fx
-from fmp.torch._fx_common import Event, _float_names
+from fmp.torch import _fx, _fx_compare
+from fmp.torch._fx_common import Event, _float_names, module_path
 from fmp.torch._fx_float8 import apply_float8, float8_events
-from fmp.torch._fx_policy import float8_recipe
+from fmp.torch._fx_policy import check_overrides, float8_recipe
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
 _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
+_MSG_FLOAT8 = (
+    "explain_fx(compare=True) does not compare float8 policies yet: compare under the policy without fp8 "
+    "(e.g. 'mixed_bfloat16'), or call explain_fx without compare=True to see the float8 rows."
+)
 
 
 def _source(node: torch.fx.Node | None) -> str:
@@ -33,14 +39,6 @@ def _source(node: torch.fx.Node | None) -> str:
         if not path.startswith(_LIBRARY_DIRS):
             return f"{path}:{line} ({fn})"
     return ""
-
-
-def _scope(node: torch.fx.Node | None) -> str:
-    stack = node.meta.get("nn_module_stack") if node is not None else None
-    if not stack:
-        return ""
-    path, _cls = list(stack.values())[-1]
-    return str(path)
 
 
 def _flops(op: str, node: torch.fx.Node) -> float:
@@ -74,7 +72,7 @@ def _cast_scope(node: torch.fx.Node, origin: torch.fx.Node) -> str:
     if isinstance(operand, torch.fx.Node) and operand.op == "placeholder":
         return f"input {operand.target}"
     name = f"{operand.name} (activation)" if isinstance(operand, torch.fx.Node) else "activation"
-    scope = _scope(origin)
+    scope = module_path(origin)
     return f"{scope}: {name}" if scope else name
 
 
@@ -90,7 +88,7 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
                 op=ev.op,
                 source=short_source(full),
                 source_full=full,
-                scope=_cast_scope(node, origin) if ev.category == "cast" else _scope(origin),
+                scope=_cast_scope(node, origin) if ev.category == "cast" else module_path(origin),
                 category=ev.category,
                 in_before=ev.in_before,
                 in_after=ev.in_after,
@@ -147,19 +145,45 @@ def explain_fx(
     device_type: str | None = None,
     dtype: Any = None,
     rules: RuleSet | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    compare: bool = False,
+    grads: bool = False,
 ) -> Report:
     """The precision report of `autocast_fx`: which op runs in which dtype, and why.
 
     Takes the arguments of `autocast_fx`. Each row gives the op
-    (``aten::linear``), the user's source line, the rule (``lower_precision``,
-    ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted cast,
-    ``user_cast`` for one the program makes, ``float8`` for a float8 matmul, whose
-    ``detail`` names its recipe and the op it replaced), and the floating dtypes of its
-    inputs and outputs before and after the rewrite. ``str(report)`` is a table.
+    (``aten::linear``), the user's source line, the module path (``scope``), the rule
+    (``lower_precision``, ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted
+    cast, ``user_cast`` for one the program makes, ``override`` for an op a float32
+    override runs as written, ``float8`` for a float8 matmul, whose ``detail`` names its
+    recipe and the op it replaced), and the floating dtypes of its inputs and outputs
+    before and after the rewrite. ``str(report)`` is a table.
+
+    With ``compare=True`` the program also runs, on ``example_inputs``: once as the traced
+    graph is written (float32, no autocast: the reference) and once as the autocast graph,
+    side by side, node by node, keeping per-op statistics rather than the intermediates.
+    Each op's row then carries, as ``fmp.explain(compare=True)``'s do: ``error`` (relative
+    L2 error of its output against the reference's, accumulated so far), ``added_error``
+    (its own: the op and the casts its rule inserted, run on the reference inputs rounded
+    as they reached it, against the op as written on those inputs), ``sqnr_db``,
+    ``max_abs_error``, ``nonfinite`` (inf/NaN in the policy run only), ``flips`` (changed
+    integer/boolean outputs: ``argmax``, ``topk`` indices, comparisons) and ``suggestion``
+    (``overrides={"<module path>": "float32"}`` for ``autocast_fx``, or a
+    ``RuleSet.derive`` line for an op outside any submodule); `Report.worst` ranks them.
+    With ``grads=True`` as well, the program's output must be a scalar loss:
+    ``report.grad_errors`` maps each parameter's name to its gradient's relative error and
+    cosine against the reference gradient (a ``GradError``). The module's buffers
+    (BatchNorm running statistics) are restored afterwards.
 
     Returns:
       An ``fmp`` ``Report`` with ``framework="torch"``, comparable row for row with
       the JAX ``fmp.explain``.
+
+    Raises:
+      ValueError: ``compare=True`` on a program that draws random numbers (dropout in
+        training mode: call ``model.eval()``); ``grads=True`` whose output is not a scalar,
+        or without ``compare=True``.
+      NotImplementedError: ``compare=True`` with a float8 policy.
 
     Examples:
       >>> import torch
@@ -168,14 +192,42 @@ def explain_fx(
       >>> [(r.op, r.category, r.out_after) for r in report.records]  # doctest: +NORMALIZE_WHITESPACE
       [('aten::_to_copy', 'cast', ('bfloat16',)), ('aten::_to_copy', 'cast', ('bfloat16',)),
        ('aten::_to_copy', 'cast', ('bfloat16',)), ('aten::linear', 'lower_precision', ('bfloat16',))]
+      >>> rules = fmp.DEFAULT_RULES.derive(framework="torch", lower_precision=["aten::softmax.int"])
+      >>> logits = torch.linspace(0.0, 4.0, 128).reshape(8, 16) + 100.0  # large: bfloat16 loses them
+      >>> rep = fmp.torch.explain_fx(lambda x: x.softmax(-1), (logits,), "cpu", rules=rules, compare=True)
+      >>> top = rep.worst(1)[0]
+      >>> top.op, top.added_error > 0.1, top.suggestion
+      ('aten::softmax.int', True, 'rules=rules.derive(framework="torch", float32=["aten::softmax.int"])')
+      >>> mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+      >>> loss = torch.nn.Sequential(mlp, torch.nn.Flatten(0))
+      >>> sorted(fmp.torch.explain_fx(loss, (torch.randn(1, 16),), "cpu", compare=True, grads=True).grad_errors)
+      ['0.0.bias', '0.0.weight', '0.2.bias', '0.2.weight']
     """
     device_type, dtype, rules = _fx.resolve_policy(policy, device_type, dtype, rules, float8=True)
     recipe = float8_recipe(policy)
+    opt_out, written = check_overrides(overrides, policy, recipe, dtype)
+    if not isinstance(compare, bool) or not isinstance(grads, bool):
+        raise TypeError(f"explain_fx(compare=..., grads=...) expects True or False, got {compare!r}, {grads!r}")
+    if grads and not compare:
+        raise ValueError("explain_fx(grads=True) compares gradients with the program as written: add compare=True")
+    if compare and recipe is not None:
+        raise NotImplementedError(_MSG_FLOAT8)
     gm, names, codegen = _fx.trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = _fx.bind_state(gm, module, names, codegen)
     if recipe is not None:
-        apply_float8(bound, recipe, (), device_type, dtype, _fx._fake_mode_of(bound.graph))
+        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, _fx._fake_mode_of(bound.graph), written)
     events: list[Event] = []
-    out = _fx.rewrite(bound, device_type, dtype, rules, events)
-    return Report(records(float8_events(out.graph, events)), _policy_name(device_type, dtype), "torch")
+    env: dict[torch.fx.Node, Any] = {}
+    out = _fx.rewrite(bound, device_type, dtype, rules, events, written, env)
+    events = float8_events(out.graph, events)
+    rows = records(events)
+    name = _policy_name(device_type, dtype)
+    if not compare:
+        return Report(rows, name, "torch")
+    leaves = pytree.tree_leaves(list(example_inputs))
+    with _fx_compare.kept_buffers(module):
+        compared = _fx_compare.compare(bound, out, env, events, list(rows), leaves, rules)
+        grad_errors = _fx_compare.grad_errors(module, bound, out, example_inputs) if grads else {}
+    back = GradReport(errors=grad_errors, rows=(), loss_scale=1.0) if grads else None
+    return Report(tuple(compared), name, "torch", compared=True, grads=back)

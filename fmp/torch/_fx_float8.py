@@ -189,16 +189,18 @@ def apply_float8(
     device_type: str,
     dtype: torch.dtype,
     mode: Any,
+    quiet: Sequence[str] = (),
 ) -> None:
     """``rewrite_float8``, then every node's ``meta["val"]`` recomputed on fake tensors under autocast as the
     trace ran (a float8 result may be float32 where the trace saw the compute dtype), so that the cast pass
-    sees the real dtypes; warns for each ``opt_out`` key that matched no matmul."""
+    sees the real dtypes; warns for each ``opt_out`` key that matched no matmul (``quiet`` ones aside: float32
+    overrides, which run every op of their modules as written)."""
     count, used = rewrite_float8(gm, recipe, dtype, opt_out)
     if count:
         args = [mode.from_tensor(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
         with ambient_autocast({device_type: (True, dtype)}), mode:
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
-    for key in sorted(set(opt_out) - used):
+    for key in sorted(set(opt_out) - used - set(quiet)):
         warnings.warn(_MSG_UNUSED.format(key=key), UserWarning, stacklevel=3)
 
 

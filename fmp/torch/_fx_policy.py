@@ -102,29 +102,38 @@ def resolve_policy(
 
 
 _MSG_OVERRIDES = (
-    "autocast_fx(overrides=...) opts modules out of float8: {{module_path_substring: policy}} with a float8 "
-    "policy and values without fp8 and the same compute dtype (e.g. {{'lm_head': 'mixed_bfloat16'}}); got "
-    "{key!r}: {value!r} under {policy!r}. {why}"
+    "autocast_fx(overrides=...) takes {{module_path_substring: policy}}: 'float32' runs the module's ops as "
+    "written, in float32 (e.g. {{'attn': 'float32'}}); under a float8 policy, a policy without fp8 and the same "
+    "compute dtype opts modules out of float8 (e.g. {{'lm_head': 'mixed_bfloat16'}}); got {key!r}: "
+    "{value!r} under {policy!r}. {why}"
 )
 
 
-def float8_opt_outs(overrides: Any, policy: Any, recipe: Float8Recipe | None, compute: torch.dtype) -> tuple[str, ...]:
-    """The module-path keys of ``overrides`` (checked: each opts a module out of the float8 matmuls)."""
+def check_overrides(
+    overrides: Any, policy: Any, recipe: Float8Recipe | None, compute: torch.dtype
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The module-path keys of ``overrides``: those opting modules out of float8 matmuls, those running
+    modules as written in float32 (checked; a float32 module runs no float8 matmul either)."""
     if overrides is None:
-        return ()
+        return (), ()
     if not isinstance(overrides, Mapping):
         raise TypeError(f"overrides must be a dict {{module_path_substring: policy}}, got {type(overrides).__name__}")
+    opt_out, written = [], []
     for key, value in overrides.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"overrides keys must be non-empty module path strings ('lm_head'), got {key!r}")
         pol = get_policy(value)
+        if pol.fp8 is None and pol.compute_dtype.name == "float32":
+            written.append(key)
+            continue
         why = ""
         if recipe is None:
             why = "The policy runs no float8 matmul, so there is nothing to opt out of."
         elif pol.fp8 is not None:
             why = "A different float8 recipe per module is not supported on the torch side."
         elif pol.compute_dtype.name != str(compute).removeprefix("torch."):
-            why = "Per-module compute dtypes are not supported on the torch side."
+            why = "Per-module compute dtypes other than float32 are not supported on the torch side."
         if why:
             raise NotImplementedError(_MSG_OVERRIDES.format(key=key, value=str(value), policy=str(policy), why=why))
-    return tuple(overrides)
+        opt_out.append(key)
+    return tuple(opt_out), tuple(written)

@@ -46,6 +46,7 @@ from fmp.torch._fx_common import (
     _prioritize,
     _same_meta,
     cuda_variant_call,
+    module_path,
     op_key,
 )
 from fmp.torch._fx_nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST, UNTRACEABLE, decompose, hop, in_region
@@ -67,9 +68,11 @@ class Rewriter(GraphBuilder):
         fake_mode: FakeTensorMode,
         attrs: dict[str, Any],
         events: list[Event] | None = None,
+        written: tuple[str, ...] = (),
     ) -> None:
         super().__init__(fake_mode, attrs)
         self.rules = rules
+        self.written = written  # module path substrings whose ops run as written (float32 overrides)
         self.state = dict(state)
         self.events = events
         self._casts = CastCache(attrs)  # shared casts (torch's cast cache)
@@ -153,8 +156,12 @@ class Rewriter(GraphBuilder):
         target = node.target
         if target is operator.getitem and isinstance(env[node.args[0]], list | tuple):
             return env[node.args[0]][node.args[1]]  # an inlined multi-output region
-        args = torch.fx.node.map_arg(node.args, lambda n: env[n])
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+        if isinstance(target, torch._ops.OpOverload) and self.as_written(node):
+            args = torch.fx.node.map_arg(node.args, lambda n: self._restored(n, env[n], node))
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self._restored(n, env[n], node))
+        else:
+            args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
         if target is _ENTER_AUTOCAST:
             device, dtype, enabled = args[0], args[1], args[2]
             self._region_saved[node] = dict(self.state)
@@ -178,6 +185,20 @@ class Rewriter(GraphBuilder):
             return self._op(node, target, args, kwargs, depth)
         return self._copy(node, args, kwargs)
 
+    def as_written(self, node: torch.fx.Node) -> bool:
+        """Whether a float32 override runs ``node`` as written: its module path contains a key."""
+        path = module_path(node)
+        return any(key in path for key in self.written)
+
+    def _restored(self, old: torch.fx.Node, new: Any, like: torch.fx.Node) -> Any:
+        """``new`` cast back to the floating dtype ``old`` has as written, for an op run as written."""
+        val, before = self.vals.get(new), plain(self, old)
+        if not (isinstance(new, torch.fx.Node) and _is_tensor(val) and _is_tensor(before)):
+            return new
+        if val.dtype == before.dtype or not (val.dtype.is_floating_point and before.dtype.is_floating_point):
+            return new
+        return self._cast(new, before.dtype, like, None)
+
     def _copy(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> torch.fx.Node:
         """Re-emits a node unchanged; its value is recomputed only if an input's dtype changed."""
         old_vals = [a.meta.get("val") for a in node.all_input_nodes]
@@ -197,6 +218,8 @@ class Rewriter(GraphBuilder):
         leaves = [v for v in pytree.tree_leaves(self.value_of((args, kwargs))) if _is_tensor(v)]
         device = _device_of(leaves)
         enabled, compute = self.state.get(device, (False, None)) if device else (False, None)
+        written = bool(self.written) and self.as_written(node)
+        enabled = enabled and not written
         category = self.rules.category(key, "torch", device) if enabled and device in ("cpu", "cuda") else None
         if category is Category.BANNED:
             raise RuntimeError(self.rules.banned_message(key))
@@ -216,7 +239,7 @@ class Rewriter(GraphBuilder):
         if self.events is not None:
             ins = _float_names(self.value_of((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
-            cat = f"{cat} (autocast inside)" if inside else cat
+            cat = f"{cat} (autocast inside)" if inside else "override" if written else cat
             self.events.append(
                 Event(key, cat, new, node, inputs_before(self, node), ins, _float_names(plain(self, node)))
             )
