@@ -16,7 +16,7 @@ from fmp._core._report import OpRecord, Report, short_source
 from fmp._core._rules import RuleSet
 from fmp.torch import _fx
 from fmp.torch._fx_common import Event, _float_names
-from fmp.torch._fx_float8 import apply_float8, float8_events
+from fmp.torch._fx_float8 import apply_float8, check_kernel, float8_events
 from fmp.torch._fx_policy import float8_recipe
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -147,6 +147,7 @@ def explain_fx(
     device_type: str | None = None,
     dtype: Any = None,
     rules: RuleSet | None = None,
+    float8_matmul: str = "auto",
 ) -> Report:
     """The precision report of `autocast_fx`: which op runs in which dtype, and why.
 
@@ -154,7 +155,7 @@ def explain_fx(
     (``aten::linear``), the user's source line, the rule (``lower_precision``,
     ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted cast,
     ``user_cast`` for one the program makes, ``float8`` for a float8 matmul, whose
-    ``detail`` names its recipe and the op it replaced), and the floating dtypes of its
+    ``detail`` names its scaling, its kernel and the op it replaced: ``"rowwise, scaled_mm (aten::linear)"``), and the floating dtypes of its
     inputs and outputs before and after the rewrite. ``str(report)`` is a table.
 
     Returns:
@@ -171,11 +172,12 @@ def explain_fx(
     """
     device_type, dtype, rules = _fx.resolve_policy(policy, device_type, dtype, rules, float8=True)
     recipe = float8_recipe(policy)
+    kernel = check_kernel(float8_matmul, recipe, policy)
     gm, names, codegen = _fx.trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = _fx.bind_state(gm, module, names, codegen)
     if recipe is not None:
-        apply_float8(bound, recipe, (), device_type, dtype, _fx._fake_mode_of(bound.graph))
+        apply_float8(bound, recipe, (), device_type, dtype, _fx._fake_mode_of(bound.graph), kernel)
     events: list[Event] = []
     out = _fx.rewrite(bound, device_type, dtype, rules, events)
     return Report(records(float8_events(out.graph, events)), _policy_name(device_type, dtype), "torch")
