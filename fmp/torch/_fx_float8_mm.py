@@ -13,7 +13,8 @@ product, as torchao's ``Float8Linear`` does between ``emulate=True`` and ``emula
   comes out in bfloat16 (CUDA's rowwise kernel has no float32 output), and a backward rowwise product is a
   unit-scale product in bfloat16 multiplied by the two scales afterwards.
 
-Every product runs with autocast off, so the module computes the same under an outer ``torch.autocast``.
+The emulated products run with autocast off (autocast has no ``_scaled_mm`` kernel), so the module computes the
+same under an outer ``torch.autocast``.
 """
 
 from __future__ import annotations
@@ -69,15 +70,14 @@ def _scaled(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.T
     if b.stride(0) > b.stride(1):
         b = b.t().contiguous().t()
     inv_a, inv_b = sa.reciprocal(), sb.reciprocal()
-    with torch.autocast(a.device.type, enabled=False):
-        if sa.ndim == 0:
-            return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out, use_fast_accum=fast)
-        if fast:
-            y = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=torch.bfloat16, use_fast_accum=True)
-        else:
-            one = inv_a.new_ones(())
-            y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            y = (y * (inv_a * inv_b)).to(torch.bfloat16)
+    if sa.ndim == 0:  # (autocast has no kernel for _scaled_mm on any device: no region needed)
+        return torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out, use_fast_accum=fast)
+    if fast:
+        y = torch._scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=torch.bfloat16, use_fast_accum=True)
+    else:
+        one = inv_a.new_ones(())
+        y = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        y = (y * (inv_a * inv_b)).to(torch.bfloat16)
     return y.to(out)
 
 
