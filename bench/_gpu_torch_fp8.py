@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fmp, not an installed one
 import fmp  # noqa: E402
+import fmp.torch  # noqa: E402
 
 FULL = {"tokens": 8192, "d": 4096, "hidden": 16384}
 SMOKE = {"tokens": 32, "d": 32, "hidden": 64}

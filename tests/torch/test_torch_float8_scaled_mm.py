@@ -205,3 +205,13 @@ def test_a_matmul_fed_directly_by_a_float8_matmul_runs_in_float8_too():
     gm = _fmp(model, x, PEER["tensorwise"])
     assert _kernels(gm) == ["scaled_mm"] * 2
     assert _equal(_run(gm, x), _run(_torchao(model, "tensorwise"), x))
+
+
+def test_cuda_shapes_off_the_kernels_alignment_take_the_emulation_or_are_refused(monkeypatch):
+    """CUDA's float8 GEMMs need m, k and n to be multiples of 16: "auto" emulates such a matmul (the explain
+    row says so), "scaled_mm" refuses it at trace time instead of failing in the first call."""
+    monkeypatch.setattr(_fx_float8, "scaled_mm_error", lambda device, rowwise: None)
+    assert _fx_float8._kernel("auto", "cuda", "rowwise", (32, 64, 16)) == "scaled_mm"
+    assert _fx_float8._kernel("auto", "cuda", "rowwise", (4, 64, 16)) == "emulated"
+    with pytest.raises(RuntimeError, match=r"\[4, 64\] @ \[64, 16\].*multiples of 16"):
+        _fx_float8._kernel("scaled_mm", "cuda", "tensorwise", (4, 64, 16))
