@@ -297,7 +297,8 @@ def autocast_fx(
       float8_matmul: Under a float8 policy, the kernel of each float8 matmul: ``"auto"`` (the default)
         ``torch._scaled_mm`` where it runs that matmul on the device (CPU; CUDA sm89+), the emulation
         elsewhere; ``"scaled_mm"`` (torchao's ``emulate=False``; an error where it does not run) or
-        ``"emulated"`` (torchao's ``emulate=True``). ``explain_fx`` rows show the choice.
+        ``"emulated"`` (torchao's ``emulate=True``). ``explain_fx`` rows show the choice. As in torchao,
+        a rowwise ``_scaled_mm`` product passes through bfloat16 even for a float32 result.
 
     Returns:
       A ``torch.fx.GraphModule``.

@@ -149,6 +149,6 @@ def scaled_mm_error(device: str, rowwise: bool) -> str | None:
             pair = (x.to(_FWD), torch.ones((16, 1) if rowwise else (), device=device))
             _scaled(pair, (pair[0].t(), pair[1].t()), torch.float32, fast=True)
             _scaled((x.to(getattr(torch, E5M2.name)), pair[1]), (pair[0].t(), pair[1].t()), torch.float32, fast=False)
-    except (RuntimeError, NotImplementedError, ValueError, AssertionError) as err:
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError) as err:
         return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
     return None
