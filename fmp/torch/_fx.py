@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from fmp._core._rules import RuleSet
 from fmp.torch._fx_casts import GRAD_LEAF, is_grad_leaf
 from fmp.torch._fx_common import Event, ambient_autocast
-from fmp.torch._fx_float8 import apply_float8
+from fmp.torch._fx_float8 import apply_float8, check_kernel
 from fmp.torch._fx_policy import check_overrides, float8_recipe, resolve_policy
 from fmp.torch._fx_rewrite import Rewriter
 from fmp.torch._fx_trace_errors import check_meta, check_outputs, raise_trace_failure, warn_traced_moves
@@ -273,6 +273,7 @@ def autocast_fx(
     dtype: Any = None,
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
+    float8_matmul: str = "auto",
 ) -> torch.fx.GraphModule:
     """Traces ``fn_or_module`` and returns its graph with autocast's casts made explicit.
 
@@ -288,10 +289,10 @@ def autocast_fx(
     traced (bind them with ``functools.partial``).
 
     A float8 policy (``"mixed_float8"``, any ``fmp.Float8Recipe`` with tensorwise or rowwise scaling)
-    turns each ``linear``/``mm``/``addmm``/``matmul`` whose second operand is a 2-D parameter into an
-    emulated float8 matmul: e4m3 operands, the recipe's gradient format, current scaling, float32 accumulation,
-    the result in the compute dtype (``output="float32"``: float32), as torchao's ``Float8Linear`` with
-    ``emulate=True`` computes it; other matmuls follow the compute dtype.
+    turns each ``linear``/``mm``/``addmm``/``matmul`` whose second operand is a 2-D parameter into a
+    float8 matmul: e4m3 operands, the recipe's gradient format, current scaling, float32 accumulation,
+    the result in the compute dtype (``output="float32"``: float32), as torchao's ``Float8Linear``
+    computes it; other matmuls follow the compute dtype.
 
     Args:
       fn_or_module: A ``torch.nn.Module`` or a function of tensors.
@@ -310,6 +311,11 @@ def autocast_fx(
         fp8 and with the same compute dtype (``{"lm_head": "mixed_bfloat16"}``) opts modules out of
         float8: a matmul whose weight's module path (``lm_head`` for ``lm_head.weight``) contains a key
         runs in the compute dtype.
+      float8_matmul: Under a float8 policy, the kernel of each float8 matmul: ``"auto"`` (the default)
+        ``torch._scaled_mm`` where it runs that matmul on the device (CPU; CUDA sm89+), the emulation
+        elsewhere; ``"scaled_mm"`` (torchao's ``emulate=False``; an error where it does not run) or
+        ``"emulated"`` (torchao's ``emulate=True``). ``explain_fx`` rows show the choice. As in torchao,
+        a rowwise ``_scaled_mm`` product passes through bfloat16 even for a float32 result.
 
     Returns:
       A ``torch.fx.GraphModule``.
@@ -322,6 +328,7 @@ def autocast_fx(
         (``if x.max() > 0:``); the message names the line and the ways out.
       NotImplementedError: a float8 recipe other than ``"tensorwise"`` or ``"rowwise"``; an
         ``overrides`` value that asks for more than opting a module out of float8.
+      RuntimeError: ``float8_matmul="scaled_mm"`` where ``torch._scaled_mm`` does not run a matmul.
 
     Warns:
       UserWarning: a float8 opt-out key of ``overrides`` matches no float8 matmul's module path.
@@ -344,9 +351,11 @@ def autocast_fx(
     device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules, float8=True)
     recipe = float8_recipe(policy)
     opt_out, written = check_overrides(overrides, policy, recipe, dtype)
+    kernel = check_kernel(float8_matmul, recipe, policy)
     gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = bind_state(gm, module, names, codegen)
     if recipe is not None:
-        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, _fake_mode_of(bound.graph), written)
+        mode = _fake_mode_of(bound.graph)
+        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
     return rewrite(bound, device_type, dtype, rules, written=written)

@@ -18,7 +18,7 @@ from fmp._core._report import OpRecord, Report, short_source
 from fmp._core._rules import RuleSet
 from fmp.torch import _fx, _fx_compare
 from fmp.torch._fx_common import Event, _float_names, module_path
-from fmp.torch._fx_float8 import apply_float8, float8_events
+from fmp.torch._fx_float8 import apply_float8, check_kernel, float8_events
 from fmp.torch._fx_policy import check_overrides, float8_recipe
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -148,6 +148,7 @@ def explain_fx(
     overrides: Mapping[str, Any] | None = None,
     compare: bool = False,
     grads: bool = False,
+    float8_matmul: str = "auto",
 ) -> Report:
     """The precision report of `autocast_fx`: which op runs in which dtype, and why.
 
@@ -156,7 +157,7 @@ def explain_fx(
     (``lower_precision``, ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted
     cast, ``user_cast`` for one the program makes, ``override`` for an op a float32
     override runs as written, ``float8`` for a float8 matmul, whose ``detail`` names its
-    recipe and the op it replaced), and the floating dtypes of its inputs and outputs
+    scaling, its kernel and the op it replaced: ``"rowwise, scaled_mm (aten::linear)"``), and the floating dtypes of its inputs and outputs
     before and after the rewrite. ``str(report)`` is a table.
 
     With ``compare=True`` the program also runs, on ``example_inputs``: once as the traced
@@ -212,11 +213,13 @@ def explain_fx(
         raise ValueError("explain_fx(grads=True) compares gradients with the program as written: add compare=True")
     if compare and recipe is not None:
         raise NotImplementedError(_MSG_FLOAT8)
+    kernel = check_kernel(float8_matmul, recipe, policy)
     gm, names, codegen = _fx.trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = _fx.bind_state(gm, module, names, codegen)
     if recipe is not None:
-        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, _fx._fake_mode_of(bound.graph), written)
+        mode = _fx._fake_mode_of(bound.graph)
+        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
     events: list[Event] = []
     env: dict[torch.fx.Node, Any] = {}
     out = _fx.rewrite(bound, device_type, dtype, rules, events, written, env)

@@ -1,13 +1,10 @@
-"""Float8 matmuls in FX graphs: ``linear``/``mm``/``addmm``/``matmul`` against a parameter, emulated.
+"""Float8 matmuls in FX graphs: ``linear``/``mm``/``addmm``/``matmul`` against a parameter.
 
 The pass runs on the traced graph before the cast pass: each matmul whose weight operand is a module
-``Parameter`` (a ``get_attr`` node) becomes one call of ``float8_linear``, an autograd function that
-quantises both operands to ``float8_e4m3fn`` with current scaling (one scale per tensor, or per row of
-the input and per output row of the weight), multiplies the dequantised values in float32, and in the
-backward quantises the output gradient to the recipe's ``grad_dtype`` the same way. This is the arithmetic of
-torchao's ``Float8Linear`` in ``emulate=True`` mode (scale from the amax in float64, saturating cast,
-dequantisation by division), with fmp's scale rules from the same recipe as the JAX side: a zero amax
-gives scale 1, scales are clamped to normal float32 numbers, an inf or NaN makes its scaling group NaN.
+``Parameter`` (a ``get_attr`` node) becomes one call of ``float8_linear`` (``_fx_float8_mm``), with the
+recipe's scaling, scale rounding, gradient format and output dtype, and the kernel chosen per matmul:
+``torch._scaled_mm`` where it runs on the device (torchao's ``emulate=False``), the quantise-dequantise
+emulation elsewhere (torchao's ``emulate=True``), or the one the caller names.
 """
 
 from __future__ import annotations
@@ -21,9 +18,10 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fmp._fp8._quant import _SCALE_MAX, _SCALE_MIN, E4M3, E5M2
+from fmp._fp8._quant import E4M3
 from fmp._fp8._recipe import Float8Recipe
 from fmp.torch._fx_common import Event, _float_names, ambient_autocast
+from fmp.torch._fx_float8_mm import KERNELS, float8_linear, scaled_mm_error
 
 SUPPORTED = ("tensorwise", "rowwise")
 # the recipe fields the pass reads (block_size, history_len and margin only matter to other scalings)
@@ -31,7 +29,6 @@ _READ = {"scaling", "pow2_scales", "grad_dtype", "output", "block_size", "histor
 FLOAT8 = "fmp_float8"  # meta key of a float8 matmul node: its recipe and the op it replaced
 _aten = torch.ops.aten
 _MATMULS = (_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default)
-_FWD = getattr(torch, E4M3.name)
 _E4M3_NAME = E4M3.name
 
 _MSG_SCALING = (
@@ -51,68 +48,6 @@ def check_recipe(recipe: Float8Recipe) -> Float8Recipe:
                 f"{getattr(recipe, field.name)!r}) yet; leave it at its default {field.default!r} on the torch side."
             )
     return recipe
-
-
-def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    """``fp8_max / amax`` (float64 division, float32 result), 1 at zero, clamped, NaN at inf/NaN amax."""
-    ok = (amax > 0) & torch.isfinite(amax)
-    top = torch.finfo(dtype).max
-    scale = torch.where(ok, top / torch.where(ok, amax, 1).to(torch.float64), 1.0).to(torch.float32)
-    scale = scale.clamp(_SCALE_MIN, _SCALE_MAX)
-    if pow2:  # 2**floor(log2(scale)) exactly: clear the mantissa bits of a normal float32
-        scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return torch.where(torch.isfinite(amax), scale, torch.nan)
-
-
-def qdq(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -> torch.Tensor:
-    """Quantise-dequantise ``x`` (float32 result): one scale per tensor (``dim=None``) or per slice along
-    ``dim`` (the amax runs over ``dim``)."""
-    x = x.to(torch.float32)
-    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    scale = _scale(amax, dtype, pow2)
-    top = torch.finfo(dtype).max
-    return (x * scale).clamp(-top, top).to(dtype).to(torch.float32) / scale
-
-
-class _Float8MM(torch.autograd.Function):
-    """``x[m, k] @ w_t[k, n]`` with float8-quantised operands; float32 result and gradients."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, w_t: torch.Tensor, rowwise: bool, pow2: bool, grad: torch.dtype
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, w_t)
-        ctx.rowwise, ctx.pow2, ctx.grad_dtype = rowwise, pow2, grad
-        return torch.mm(qdq(x, _FWD, -1 if rowwise else None, pow2), qdq(w_t, _FWD, 0 if rowwise else None, pow2))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, w_t = ctx.saved_tensors
-        rowwise, pow2 = ctx.rowwise, ctx.pow2
-        g_dx = qdq(grad, ctx.grad_dtype, -1 if rowwise else None, pow2)
-        dx = torch.mm(g_dx, qdq(w_t, _FWD, -1 if rowwise else None, pow2).t())
-        g_dw = qdq(grad, ctx.grad_dtype, 0 if rowwise else None, pow2)
-        dw_t = torch.mm(g_dw.t(), qdq(x, _FWD, 0 if rowwise else None, pow2)).t()
-        return dx.to(x.dtype), dw_t.to(w_t.dtype), None, None, None
-
-
-def float8_linear(
-    x: torch.Tensor,
-    w_t: torch.Tensor,
-    bias: torch.Tensor | None,
-    scaling: str,
-    pow2: bool,
-    out: torch.dtype | None,
-    grad: str = E5M2.name,
-) -> torch.Tensor:
-    """``x @ w_t (+ bias)`` as a float8 matmul; ``w_t[k, n]`` is the weight, ``out`` the result dtype
-    (None: float32), ``bias`` added in that dtype, ``grad`` the output gradient's float8 format."""
-    shape = x.shape
-    y = _Float8MM.apply(x.reshape(-1, shape[-1]), w_t, scaling == "rowwise", pow2, getattr(torch, grad))
-    y = y.reshape(*shape[:-1], y.shape[-1])
-    if out is not None:
-        y = y.to(out)
-    return y if bias is None else y + bias.to(y.dtype)
 
 
 def _param(node: Any, attrs: dict[str, Any]) -> bool:
@@ -141,11 +76,59 @@ def _operands(node: torch.fx.Node, graph: torch.fx.Graph, attrs: dict[str, Any])
     return x, w, bias
 
 
+_MSG_KERNEL = (
+    "float8_matmul must be 'auto' (torch._scaled_mm where it runs, the emulation elsewhere), 'scaled_mm' "
+    "(torchao's emulate=False) or 'emulated' (torchao's emulate=True); got {got!r}"
+)
+_MSG_NO_FLOAT8 = "float8_matmul={got!r} chooses the kernel of float8 matmuls, but policy {policy!r} runs none"
+_MSG_NO_SCALED_MM = (
+    "float8_matmul='scaled_mm': torch._scaled_mm does not run the {scaling} product {shape} on {device!r} "
+    "here ({why}). Use float8_matmul='auto' (it falls back to the emulation, same scales and formats) or "
+    "'emulated'."
+)
+
+
+def check_kernel(kernel: Any, recipe: Float8Recipe | None, policy: Any) -> str:
+    """``kernel`` if it is a valid ``float8_matmul`` for ``policy``; ValueError naming the choices otherwise."""
+    if kernel != "auto" and kernel not in KERNELS:
+        raise ValueError(_MSG_KERNEL.format(got=kernel))
+    if kernel != "auto" and recipe is None:
+        raise ValueError(_MSG_NO_FLOAT8.format(got=kernel, policy=str(policy)))
+    if recipe is None or recipe.emulate is None:
+        return kernel
+    chosen = "emulated" if recipe.emulate else "scaled_mm"  # the recipe's emulate, as on the JAX side
+    if kernel not in ("auto", chosen):
+        raise ValueError(
+            f"autocast_fx(float8_matmul={kernel!r}) contradicts the policy's Float8Recipe(emulate={recipe.emulate}); "
+            "set one of them (emulate=None leaves the choice to float8_matmul)"
+        )
+    return chosen
+
+
+def _kernel(asked: str, device: str, scaling: str, mkn: tuple[int, int, int]) -> str:
+    """The kernel of one float8 matmul ``[m, k] @ [k, n]``: `_MSG_KERNEL` says how ``asked`` chooses."""
+    if asked == "emulated":
+        return asked
+    why = scaled_mm_error(device, scaling == "rowwise")
+    if why is None and device == "cuda" and any(d % 16 for d in mkn):  # the CUDA kernels' alignment
+        why = "CUDA needs m, k and n to be multiples of 16"
+    if why is None or asked == "auto":
+        return "emulated" if why else "scaled_mm"
+    shape = f"[{mkn[0]}, {mkn[1]}] @ [{mkn[1]}, {mkn[2]}]"
+    raise RuntimeError(_MSG_NO_SCALED_MM.format(scaling=scaling, shape=shape, device=device, why=why))
+
+
 def rewrite_float8(
-    gm: torch.fx.GraphModule, recipe: Float8Recipe, compute: torch.dtype, opt_out: Sequence[str] = ()
+    gm: torch.fx.GraphModule,
+    recipe: Float8Recipe,
+    compute: torch.dtype,
+    opt_out: Sequence[str] = (),
+    kernel: str = "auto",
+    device: str = "cpu",
 ) -> tuple[int, set[str]]:
     """Replaces, in place, each matmul against a parameter in ``gm`` by ``float8_linear``, except where the
-    parameter's module path (``lm_head`` for ``lm_head.weight``) contains a key of ``opt_out``.
+    parameter's module path (``lm_head`` for ``lm_head.weight``) contains a key of ``opt_out``; ``kernel``
+    is the ``float8_matmul`` choice, ``device`` the device type the matmuls run on.
 
     Returns how many it replaced and the ``opt_out`` keys that matched a matmul.
     """
@@ -164,10 +147,14 @@ def rewrite_float8(
         ops = None if keys else _operands(node, gm.graph, attrs)
         if ops is None:
             continue
+        xv, wv = ops[0].meta["val"], attrs[weight.target]
+        n = wv.shape[0] if node.target is _aten.linear.default else wv.shape[1]
+        chosen = _kernel(kernel, device, recipe.scaling, (xv.numel() // max(xv.shape[-1], 1), xv.shape[-1], n))
+        args = (*ops, recipe.scaling, recipe.pow2_scales, out, recipe.grad_dtype, chosen)
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(float8_linear, (*ops, recipe.scaling, recipe.pow2_scales, out, recipe.grad_dtype))
-        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        new.meta[FLOAT8] = f"{recipe.scaling} ({node.target.name().split('.')[0]})"
+            new = gm.graph.call_function(float8_linear, args)
+        new.meta.update(node.meta)  # its val keeps the shape the next matmul reads; apply_float8 redoes dtypes
+        new.meta[FLOAT8] = f"{recipe.scaling}, {chosen} ({node.target.name().split('.')[0]})"
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
@@ -190,12 +177,13 @@ def apply_float8(
     dtype: torch.dtype,
     mode: Any,
     quiet: Sequence[str] = (),
+    kernel: str = "auto",
 ) -> None:
     """``rewrite_float8``, then every node's ``meta["val"]`` recomputed on fake tensors under autocast as the
     trace ran (a float8 result may be float32 where the trace saw the compute dtype), so that the cast pass
     sees the real dtypes; warns for each ``opt_out`` key that matched no matmul (``quiet`` ones aside: float32
     overrides, which run every op of their modules as written)."""
-    count, used = rewrite_float8(gm, recipe, dtype, opt_out)
+    count, used = rewrite_float8(gm, recipe, dtype, opt_out, kernel, device_type)
     if count:
         args = [mode.from_tensor(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
         with ambient_autocast({device_type: (True, dtype)}), mode:

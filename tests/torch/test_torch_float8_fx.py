@@ -1,5 +1,6 @@
-"""Float8 over FX graphs: ``autocast_fx`` with a tensorwise or rowwise float8 policy equals torchao's
-``Float8Linear`` (``emulate=True``) bit for bit, forward, every gradient and 20 SGD steps."""
+"""Float8 over FX graphs: ``autocast_fx`` with a tensorwise or rowwise float8 policy and
+``float8_matmul="emulated"`` equals torchao's ``Float8Linear`` (``emulate=True``) bit for bit, forward, every
+gradient and 20 SGD steps (the ``torch._scaled_mm`` kernel: test_torch_float8_scaled_mm.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _torchao(model: torch.nn.Module, name: str, e5m2_grads: bool = True, **chang
 
 def _fmp(model: torch.nn.Module, x: torch.Tensor, recipe: fmp.Float8Recipe) -> torch.nn.Module:
     policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=recipe)
-    return fmp.torch.autocast_fx(copy.deepcopy(model), (x,), policy)
+    return fmp.torch.autocast_fx(copy.deepcopy(model), (x,), policy, float8_matmul="emulated")
 
 
 def _run(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -114,7 +115,7 @@ def test_twenty_sgd_steps_keep_parameters_equal_to_torchao(scaling):
 def test_compute_output_is_the_float32_result_rounded_to_bfloat16():
     lin = torch.nn.Linear(16, 8, bias=False)
     x = torch.randn(4, 16)
-    out = fmp.torch.autocast_fx(lin, (x,), "mixed_float8")(x)  # default recipe: tensorwise, pow2, compute
+    out = fmp.torch.autocast_fx(lin, (x,), "mixed_float8", float8_matmul="emulated")(x)  # tensorwise, pow2
     ref = _torchao(lin, "tensorwise", round_scales_to_power_of_2=True)(x)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref.to(torch.bfloat16))
 
@@ -222,7 +223,7 @@ def test_explain_fx_shows_each_float8_matmul_with_its_recipe_and_the_float8_flop
     report = fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,fp8=rowwise")
     rows = [r for r in report.records if r.category == "float8"]
     assert [(r.op, r.detail, r.in_after, r.out_after) for r in rows] == [
-        ("fmp::float8_linear", "rowwise (aten::linear)", ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16",))
+        ("fmp::float8_linear", "rowwise, scaled_mm (aten::linear)", ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16",))
     ] * 2
     assert [r.flops for r in rows] == [2 * 4 * 16 * 32, 2 * 4 * 32 * 8]
     assert report.summary["float8_flop_share"] == 1.0
