@@ -103,7 +103,7 @@ def test_float16_underflow_at_scale_and_the_scale_that_keeps_it():
 
     unscaled = fmp.explain(tiny, "mixed_float16", compare=True, grads=True, loss_scale=1.0)(W, X)
     e = unscaled.grad_errors[""]
-    assert unscaled.grads.loss_scale == 1.0 and e.error > 0.5  # the gradient is lost
+    assert unscaled.grads.loss_scale == 1.0 and e.error > 0.1  # subnormals keep too few bits of the gradient
     assert e.underflow + e.subnormal == 1.0
     assert any(r.underflow == 1.0 for r in unscaled.grad_rows)
     g = np.abs(np.asarray(jax.grad(tiny)(W, X), np.float64))

@@ -238,8 +238,10 @@ class Report:
             return table
         text = f"{format_worst(worst_rows(self.records, 10))}\n\n{table}"
         if self.grads is not None:
-            back = format_worst(worst_rows(self.grads.rows, 10), title="worst backward ops (vs the lifted backward)")
-            text += f"\n\n{format_grads(self.grads)}\n\n{back}"
+            text += f"\n\n{format_grads(self.grads)}"
+            if self.grads.rows:
+                back = format_worst(worst_rows(self.grads.rows, 10), title="worst backward ops (vs the lifted backward)")
+                text += f"\n\n{back}"
         return text
 
 
