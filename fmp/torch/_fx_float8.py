@@ -75,25 +75,30 @@ def qdq(x: torch.Tensor, dtype: torch.dtype, dim: int | None, pow2: bool) -> tor
 
 
 class _Float8MM(torch.autograd.Function):
-    """``x[m, k] @ w_t[k, n]`` with float8-quantised operands; float32 result and gradients."""
+    """``x[m, k] @ w_t[k, n]`` with float8-quantised operands, accumulated in float32 and returned in ``out``;
+    the gradient products come out in the output gradient's dtype, as a scaled mm's ``out_dtype``."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, w_t: torch.Tensor, rowwise: bool, pow2: bool, grad: torch.dtype
+        ctx: Any, x: torch.Tensor, w_t: torch.Tensor, rowwise: bool, pow2: bool, grad: torch.dtype, out: torch.dtype
     ) -> torch.Tensor:
         ctx.save_for_backward(x, w_t)
         ctx.rowwise, ctx.pow2, ctx.grad_dtype = rowwise, pow2, grad
-        return torch.mm(qdq(x, _FWD, -1 if rowwise else None, pow2), qdq(w_t, _FWD, 0 if rowwise else None, pow2))
+        with torch.autocast(x.device.type, enabled=False):  # float32 products under any ambient autocast
+            y = torch.mm(qdq(x, _FWD, -1 if rowwise else None, pow2), qdq(w_t, _FWD, 0 if rowwise else None, pow2))
+        return y.to(out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, w_t = ctx.saved_tensors
         rowwise, pow2 = ctx.rowwise, ctx.pow2
-        g_dx = qdq(grad, ctx.grad_dtype, -1 if rowwise else None, pow2)
-        dx = torch.mm(g_dx, qdq(w_t, _FWD, -1 if rowwise else None, pow2).t())
-        g_dw = qdq(grad, ctx.grad_dtype, 0 if rowwise else None, pow2)
-        dw_t = torch.mm(g_dw.t(), qdq(x, _FWD, 0 if rowwise else None, pow2)).t()
-        return dx.to(x.dtype), dw_t.to(w_t.dtype), None, None, None
+        with torch.autocast(grad.device.type, enabled=False):
+            g_dx = qdq(grad, ctx.grad_dtype, -1 if rowwise else None, pow2)
+            dx = torch.mm(g_dx, qdq(w_t, _FWD, -1 if rowwise else None, pow2).t())
+            g_dw = qdq(grad, ctx.grad_dtype, 0 if rowwise else None, pow2)
+            dw_t = torch.mm(g_dw.t(), qdq(x, _FWD, 0 if rowwise else None, pow2)).t()
+        # each gradient product comes out in the output gradient's dtype (a scaled mm's out_dtype), as torchao's
+        return dx.to(grad.dtype).to(x.dtype), dw_t.to(grad.dtype).to(w_t.dtype), None, None, None, None
 
 
 def float8_linear(
@@ -108,10 +113,9 @@ def float8_linear(
     """``x @ w_t (+ bias)`` as a float8 matmul; ``w_t[k, n]`` is the weight, ``out`` the result dtype
     (None: float32), ``bias`` added in that dtype, ``grad`` the output gradient's float8 format."""
     shape = x.shape
-    y = _Float8MM.apply(x.reshape(-1, shape[-1]), w_t, scaling == "rowwise", pow2, getattr(torch, grad))
+    out = torch.float32 if out is None else out
+    y = _Float8MM.apply(x.reshape(-1, shape[-1]), w_t, scaling == "rowwise", pow2, getattr(torch, grad), out)
     y = y.reshape(*shape[:-1], y.shape[-1])
-    if out is not None:
-        y = y.to(out)
     return y if bias is None else y + bias.to(y.dtype)
 
 
