@@ -79,3 +79,20 @@ def test_a_float32_float8_result_feeding_an_autocast_op_is_cast_as_eager_autocas
         ref = q @ q.mT
     out = fmp.torch.autocast_fx(model, (x,), policy)(x)
     assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+def test_float8_guide_torch_training_loop_runs():
+    import re
+
+    from tests.helpers import ROOT
+
+    text = (ROOT / "docs" / "guides" / "float8.md").read_text()
+    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if "import torch" in b]
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "docs/guides/float8.md", "exec"), namespace)  # noqa: S102
+    assert namespace["losses"][-1] < namespace["losses"][0]
+    fp8_model, head_bf16 = namespace["fp8_model"], namespace["head_bf16"]
+    float8 = [n for n in fp8_model.graph.nodes if getattr(n.target, "__name__", "") == "float8_linear"]
+    assert len(float8) == 2
+    assert sum(getattr(n.target, "__name__", "") == "float8_linear" for n in head_bf16.graph.nodes) == 1
