@@ -48,7 +48,7 @@ def test_width_check_sees_blocks_includes_and_sections(hooks, tmp_path):
     assert [w.split(": ")[0] for w in found] == ["ex.py:s:1 (106 chars)"]
 
 
-MIGRATIONS = {"torch-amp": "torch_amp", "jmp": "jmp", "flax": "flax", "apex": "apex"}
+MIGRATIONS = {"torch-amp": "torch_amp", "jmp": "jmp", "flax": "flax", "apex": "apex", "torchao": "torchao"}
 
 
 @pytest.mark.parametrize("page", MIGRATIONS)

@@ -41,7 +41,7 @@ FAST = {
         "--no-plot", "--quiet",
     ),  # fmt: skip
 }
-_TORCH_RUNS = {"torch_facade", "torch_fx", "apex_migration", "migration/torch_amp", "migration/apex"}
+_TORCH_RUNS = {"torch_facade", "torch_fx", "apex_migration", "migration/torch_amp", "migration/apex", "migration/torchao"}
 _futures: dict[str, concurrent.futures.Future] = {}
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
 
@@ -71,6 +71,7 @@ MIGRATIONS = {
     "torch_amp": "",
     "jmp": "",
     "flax": "",
+    "torchao": "",
     "apex": "import fmp.torch.fp16_utils\nsys.modules['apex'] = types.ModuleType('apex')\n"
     "sys.modules['apex.fp16_utils'] = fmp.torch.fp16_utils",
 }
@@ -134,6 +135,17 @@ def test_migration_flax_dynamic_scale():
     assert len(b) == len(a) == 5 and b[:4] == a[:4], (before, after)  # printed to 4 decimals
     assert abs(b[-1] - a[-1]) <= 0.05 * b[-1], (before, after)
     assert _final(after, "train accuracy") > 95
+
+
+@needs_torch
+def test_migration_torchao_is_bit_for_bit():
+    """The conversion line changed: autocast_fx with torchao's rowwise recipe prints torchao's losses to the last bit."""
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("needs torchao (the torch extra installs it), not installed")
+    before, after = _out("migration/torchao")
+    assert "convert_to_float8_training(model" in (ROOT / "examples/migration/torchao_before.py").read_text()
+    assert before.splitlines()[1:] == after.splitlines()[1:] and len(_losses(after)) == 5, (before, after)
+    assert _final(after, "train accuracy") > 80
 
 
 @needs_torch
@@ -341,7 +353,7 @@ def test_docs_include_existing_example_sections():
 
 def test_migration_pages_show_the_tested_listings():
     """Each migration page includes its before/after files whole (mkdocs' snippets), so the docs show what runs."""
-    pages = {"torch_amp": "torch-amp.md", "jmp": "jmp.md", "flax": "flax.md", "apex": "apex.md"}
+    pages = {"torch_amp": "torch-amp.md", "jmp": "jmp.md", "flax": "flax.md", "apex": "apex.md", "torchao": "torchao.md"}
     assert set(pages) == set(MIGRATIONS)
     for name, page in pages.items():
         text = (ROOT / "docs" / "migration" / page).read_text()
