@@ -59,7 +59,7 @@ def rewrite(
 ) -> torch.fx.GraphModule:
     """The transform behind `autocast_graph` (policy already resolved).
 
-    ``written``: module path substrings whose ops run as written (float32 overrides); ``env``, when
+    ``written``: module path keys whose ops run as written (float32 overrides); ``env``, when
     given, receives each node of ``graph_module`` mapped to what stands for its value in the new graph.
     """
     check_meta(graph_module.graph)
@@ -304,8 +304,9 @@ def autocast_fx(
       device_type: ``"cpu"`` or ``"cuda"``.
       dtype: ``torch.bfloat16`` or ``torch.float16``.
       rules: A custom ``fmp.RuleSet``; ``fmp.DEFAULT_RULES`` if None.
-      overrides: ``{module_path_substring: policy}``. ``"float32"`` runs every op whose module path
-        (``"layers.0.self_attn"``, the path of ``model.get_submodule``) contains the key as written: no
+      overrides: ``{module_path_key: policy}``. ``"float32"`` runs every op whose module path
+        (``"layers.0.self_attn"``, the path of ``model.get_submodule``) contains the key (never cut
+        inside a number: ``"layers.1"`` is not ``"layers.10"``) as written: no
         autocast casts, its inputs returned to the dtypes they have without autocast (what
         `explain_fx` suggests for an op that loses precision). Under a float8 policy, a policy without
         fp8 and with the same compute dtype (``{"lm_head": "mixed_bfloat16"}``) opts modules out of

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fmp._core import _scopes
 from fmp._fp8._quant import E4M3
 from fmp._fp8._recipe import Float8Recipe
 from fmp.torch._fx_common import Event, _float_names, ambient_autocast
@@ -142,7 +143,7 @@ def rewrite_float8(
         weight = node.args[2] if node.target is _aten.addmm.default else node.args[1]
         if not _param(weight, attrs) or getattr(getattr(x, "meta", {}).get("val"), "ndim", 0) < 1:
             continue
-        keys = {k for k in opt_out if k in weight.target.rpartition(".")[0]}
+        keys = {k for k in opt_out if _scopes.matches(weight.target.rpartition(".")[0], k)}
         used |= keys
         ops = None if keys else _operands(node, gm.graph, attrs)
         if ops is None:
@@ -165,7 +166,7 @@ def rewrite_float8(
 
 _MSG_UNUSED = (
     "autocast_fx(overrides=...): key {key!r} matches no module path of a float8 matmul's weight, so it changes "
-    "nothing; keys are substrings of parameter owner paths such as 'lm_head' or 'layers.0.mlp'."
+    "nothing; keys are parts of parameter owner paths, never cut inside a number, such as 'lm_head' or 'layers.0.mlp'."
 )
 
 

@@ -102,7 +102,7 @@ def resolve_policy(
 
 
 _MSG_OVERRIDES = (
-    "autocast_fx(overrides=...) takes {{module_path_substring: policy}}: 'float32' runs the module's ops as "
+    "autocast_fx(overrides=...) takes {{module_path_key: policy}}: 'float32' runs the module's ops as "
     "written, in float32 (e.g. {{'attn': 'float32'}}); under a float8 policy, a policy without fp8 and the same "
     "compute dtype opts modules out of float8 (e.g. {{'lm_head': 'mixed_bfloat16'}}); got {key!r}: "
     "{value!r} under {policy!r}. {why}"
@@ -117,7 +117,7 @@ def check_overrides(
     if overrides is None:
         return (), ()
     if not isinstance(overrides, Mapping):
-        raise TypeError(f"overrides must be a dict {{module_path_substring: policy}}, got {type(overrides).__name__}")
+        raise TypeError(f"overrides must be a dict {{module_path_key: policy}}, got {type(overrides).__name__}")
     opt_out, written = [], []
     for key, value in overrides.items():
         if not isinstance(key, str) or not key:

@@ -27,6 +27,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from fmp._core import _scopes
 from fmp._core._rules import Category, RuleSet, decide
 from fmp.torch._fx_before import inputs_before, plain
 from fmp.torch._fx_casts import CastCache
@@ -72,7 +73,7 @@ class Rewriter(GraphBuilder):
     ) -> None:
         super().__init__(fake_mode, attrs)
         self.rules = rules
-        self.written = written  # module path substrings whose ops run as written (float32 overrides)
+        self.written = written  # module path keys whose ops run as written (float32 overrides)
         self.state = dict(state)
         self.events = events
         self._casts = CastCache(attrs)  # shared casts (torch's cast cache)
@@ -188,7 +189,7 @@ class Rewriter(GraphBuilder):
     def as_written(self, node: torch.fx.Node) -> bool:
         """Whether a float32 override runs ``node`` as written: its module path contains a key."""
         path = module_path(node)
-        return any(key in path for key in self.written)
+        return any(_scopes.matches(path, key) for key in self.written)
 
     def _restored(self, old: torch.fx.Node, new: Any, like: torch.fx.Node) -> Any:
         """``new`` cast back to the floating dtype ``old`` has as written, for an op run as written."""

@@ -241,3 +241,16 @@ def test_a_recipe_field_the_torch_pass_does_not_read_is_refused_not_ignored():
         fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), policy)
     ok = dataclasses.replace(policy, fp8=Later("tensorwise"))
     assert fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), ok)(torch.ones(2, 4)).isfinite().all()
+
+
+def test_an_opt_out_key_never_matches_inside_a_number():
+    from fmp._core._scopes import matches
+
+    assert matches("layers.1.mlp", "layers.1") and not matches("layers.10.mlp", "layers.1")
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)])
+    x = torch.randn(4, 16)
+    gm = fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"1": "mixed_bfloat16"})
+    rep = fmp.torch.explain_fx(model, (x,), "mixed_float8", overrides={"1": "mixed_bfloat16"})
+    fp8 = [r.scope for r in rep.records if r.category == "float8"]
+    assert "1" not in fp8 and {"10", "11"} <= set(fp8)  # only module 1 opted out, not 10 and 11
+    assert gm(x).shape == (4, 16)
