@@ -26,7 +26,7 @@ from fmp.torch._fx_float8_mm import KERNELS, float8_linear, scaled_mm_error
 
 SUPPORTED = ("tensorwise", "rowwise")
 # the recipe fields the pass reads (block_size, history_len and margin only matter to other scalings)
-_READ = {"scaling", "pow2_scales", "grad_dtype", "output", "block_size", "history_len", "margin"}
+_READ = {"scaling", "pow2_scales", "grad_dtype", "output", "block_size", "history_len", "margin", "emulate"}
 FLOAT8 = "fmp_float8"  # meta key of a float8 matmul node: its recipe and the op it replaced
 _aten = torch.ops.aten
 _MATMULS = (_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default)
