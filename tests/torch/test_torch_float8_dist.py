@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torchao")
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.gallery  # CI runs the gallery as its second step
 
 CASES = [f"{w}-{s}" for w in ("ddp", "fsdp2", "fsdp2_per_layer") for s in ("tensorwise", "rowwise")]
 

@@ -26,7 +26,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noq
 import fmp  # noqa: E402
 import fmp.torch  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.gallery  # CI runs the gallery as its second step
 BF16 = {"device_type": "cpu", "dtype": torch.bfloat16}
 
 
