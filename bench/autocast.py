@@ -207,10 +207,16 @@ def cold_times(runs: int) -> dict[str, dict[str, float]]:
     """Median first trace (wall and CPU s) of autocast and of hand-cast, one fresh process per run,
     the two interleaved. On a shared machine wall time also counts the time other processes held the
     cores; the process's CPU time does not."""
-    times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in ("auto", "hand")}
+    return fresh_medians(__file__, ("auto", "hand"), runs)
+
+
+def fresh_medians(script: str, names: tuple[str, ...], runs: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds that ``python script --first-trace NAME`` prints (its last two words),
+    one fresh process per run and name, the names interleaved."""
+    times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in names}
     for _ in range(runs):
         for kind, got in times.items():
-            cmd = [sys.executable, __file__, "--first-trace", kind]
+            cmd = [sys.executable, script, "--first-trace", kind]
             wall, cpu = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-2:]
             got["wall"].append(float(wall))
             got["cpu"].append(float(cpu))

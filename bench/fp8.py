@@ -5,7 +5,9 @@ trace+lower and compile times of the train step (``value_and_grad``), its compil
 memory (``memory_analysis``), the bytes saved for the backward pass, and the median step time. On a CPU
 the float8 matmuls are emulated (quantise, dequantise to float32, float32 matmul): the step time is the
 cost of the emulation, not a float8 speed. On a GPU it also times one large matmul in bfloat16 and in
-float8 (``--gpu-matmul``).
+float8 (``--gpu-matmul``). ``--cold N`` instead times the first trace+lower of the train step in fresh
+processes (median of N, the policies interleaved), for bfloat16 and the tensorwise, rowwise and delayed
+(with an ``fmp.Float8State``) float8 recipes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fmp  # noqa: E402
-from bench.autocast import init_params, loss, run_all  # noqa: E402
+from bench.autocast import compile_once, fresh_medians, init_params, loss, run_all  # noqa: E402
 from fmp._fp8._dot import fp8_dot_general  # noqa: E402
 
 POLICIES = {
@@ -35,6 +37,54 @@ POLICIES = {
 
 def variants() -> dict:
     return {name: (loss if pol is None else fmp.autocast(loss, pol)) for name, pol in POLICIES.items()}
+
+
+# the first trace in a fresh process: bfloat16 against each float8 recipe (delayed: with a Float8State)
+COLD = {
+    "mixed_bfloat16": "mixed_bfloat16",
+    "fp8 tensorwise": "mixed_float8",
+    "fp8 rowwise": "p=f32,c=bf16,o=f32,fp8=rowwise",
+    "fp8 delayed": "p=f32,c=bf16,o=f32,fp8=delayed",
+}
+
+
+def first_trace(name: str) -> tuple[float, float]:
+    """Wall and CPU seconds of the first trace+lower of ``jit(value_and_grad(step))`` in this process.
+
+    JAX's first-use costs are paid first by a hand-cast warm-up at other shapes (as ``bench/autocast.py``
+    does); a delayed recipe's state is built before the clock starts and differentiated with the parameters.
+    """
+    policy = COLD[name]
+    with jax.numpy_dtype_promotion("standard"):
+        small = init_params(jax.random.key(0), d=64, layers=1)
+        compile_once(lambda p, x: loss(p, x, hand=True), small, jnp.ones((2, 16, 64)), compile=False)
+        params = init_params(jax.random.key(0))
+        x = jax.random.normal(jax.random.key(1), (8, 128, 256))
+        if "delayed" in policy:
+            state = fmp.float8_state(loss, policy)(params, x)
+            step = jax.value_and_grad(
+                lambda p, st, x: fmp.autocast(loss, policy, fp8_state=st)(p, x), argnums=(0, 1)
+            )
+            args = (params, state, x)
+        else:
+            step, args = jax.value_and_grad(fmp.autocast(loss, policy)), (params, x)
+        wall, cpu = time.perf_counter(), time.process_time()
+        jax.jit(step).lower(*args)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def cold_table(runs: int) -> None:
+    """Prints the median first trace (wall and CPU ms) per policy over ``runs`` fresh processes each."""
+    med = fresh_medians(__file__, tuple(COLD), runs)
+    bf = med["mixed_bfloat16"]
+    print(f"jax {jax.__version__}, first trace+lower of the train step, fresh processes, median of {runs}")
+    print("| policy | wall ms | CPU ms | wall / bf16 | CPU / bf16 |")
+    print("|---|---|---|---|---|")
+    for name, m in med.items():
+        print(
+            f"| {name} | {1e3 * m['wall']:.0f} | {1e3 * m['cpu']:.0f} | "
+            f"{m['wall'] / bf['wall']:.2f} | {m['cpu'] / bf['cpu']:.2f} |"
+        )
 
 
 def gpu_matmul(n: int = 8192, repeats: int = 20) -> None:
@@ -71,7 +121,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--gpu-matmul", action="store_true")
+    ap.add_argument("--cold", type=int, default=0, help="only the first trace, in N fresh processes per policy")
+    ap.add_argument("--first-trace", choices=tuple(COLD), help=argparse.SUPPRESS)  # one cold process
     args = ap.parse_args()
+    if args.first_trace:
+        print("{:.6f} {:.6f}".format(*first_trace(args.first_trace)))
+        return
+    if args.cold:
+        cold_table(args.cold)
+        return
     params = init_params(jax.random.key(0), args.dim)
     x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.dim))
     rows = run_all(variants(), params, x, args.rounds, args.repeats)

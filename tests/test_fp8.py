@@ -102,6 +102,24 @@ def test_recipes_are_close_to_float32_and_finer_is_closer():
     assert errs["blockwise"][0] < errs["tensorwise"][0]
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_quantisation_traces_as_primitives_without_nested_calls(scaling):
+    # every float8 matmul traces its operands' quantisation; jnp's functions would each add a traced call
+    x, h = jnp.ones((1, 4, 8)), jnp.ones((3, 16))
+    recipe = fmp.Float8Recipe("delayed", margin=1)
+    progs = [
+        lambda x, h: _quant.qdq_first(x, E4M3, scaling, 128, True),
+        lambda x, h: _quant.qdq_second(x, E5M2, scaling, 128, False, tiles=True),
+        lambda x, h: delayed_dot_general(x[0], x[0].T, (((1,), (0,)), ((), ())), h, recipe, jnp.bfloat16),
+    ]
+    for prog in progs:
+        eqns = jax.make_jaxpr(prog)(x, h).jaxpr.eqns
+        eqns = [e for e in eqns if e.primitive.name != "custom_vjp_call"] + [
+            b for e in eqns if e.primitive.name == "custom_vjp_call" for b in e.params["call_jaxpr"].jaxpr.eqns
+        ]
+        assert eqns and not [e.params["name"] for e in eqns if e.primitive.name in ("jit", "pjit")]
+
+
 def test_saturating_cast_and_scales():
     assert float(_quant.quantize(jnp.array([1e9], F32), jnp.float32(1), E4M3).astype(F32)[0]) == 448.0
     assert float(_quant.quantize(jnp.array([-1e9], F32), jnp.float32(1), E5M2).astype(F32)[0]) == -57344.0

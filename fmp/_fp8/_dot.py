@@ -164,8 +164,9 @@ def fp8_conv(
     return _conv(conv, recipe.pow2_scales, jnp.dtype(out_dtype), jnp.dtype(recipe.grad_dtype), x, w)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))  # traced once per shape, as ``_product``
 def _qdq_tensor(x: jax.Array, dtype: Any, pow2: bool) -> jax.Array:
-    s = _quant.scale_from_amax(jnp.max(jnp.abs(x.astype(F32))), dtype, pow2=pow2)
+    s = _quant.scale_from_amax(_quant.abs_max(x), dtype, pow2=pow2)
     return _quant.dequantize(_quant.quantize(x, s, dtype), s)
 
 

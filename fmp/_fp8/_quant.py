@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
 _SCALE_MIN, _SCALE_MAX = 2.0**-126, 2.0**126  # a scale and its inverse stay normal float32 numbers
+F32 = np.float32  # a scalar constant operand (lax broadcasts it)
 
 
 def fp8_max(dtype: jax.typing.DTypeLike) -> float:
     """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
     return float(jnp.finfo(dtype).max)
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    return lax.convert_element_type(x, jnp.float32)
+
+
+def _full(value: float, like: jax.Array) -> jax.Array:
+    """``value`` in float32, shaped like ``like`` (a select's operands agree in shape)."""
+    return lax.full_like(like, value, jnp.float32)
 
 
 def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool = False, margin: int = 0) -> jax.Array:
@@ -26,16 +38,21 @@ def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool 
     ``margin`` divides by ``2**margin``; the result is clamped to ``[2**-126, 2**126]``, so that the scale and
     its inverse are normal float32 numbers (never 0 or inf, whatever finite amax: a tiny one gets ``2**126``);
     ``pow2`` then rounds down to a power of two. A non-finite amax gives a NaN scale (see ``keep_non_finite``).
+
+    Written with ``lax`` operations (as the rest of this module): every float8 matmul traces these, and a
+    ``jnp`` function costs a traced call of its own per new shape.
     """
-    amax = amax.astype(jnp.float32)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    scale = jnp.where(ok, jnp.float32(fp8_max(dtype)) / jnp.where(ok, amax, 1), 1)
+    amax = _f32(amax)
+    one = _full(1.0, amax)
+    ok = lax.bitwise_and(lax.gt(amax, F32(0.0)), lax.is_finite(amax))
+    scale = lax.select(ok, lax.div(F32(fp8_max(dtype)), lax.select(ok, amax, one)), one)
     if margin:
-        scale = scale / jnp.float32(2.0**margin)
-    scale = jnp.clip(scale, jnp.float32(_SCALE_MIN), jnp.float32(_SCALE_MAX))
+        scale = lax.div(scale, F32(2.0**margin))
+    scale = lax.min(F32(_SCALE_MAX), lax.max(F32(_SCALE_MIN), scale))
     if pow2:  # clear the mantissa bits of a normal positive float32: 2**floor(log2(scale)), exactly
-        bits = jax.lax.bitcast_convert_type(scale, jnp.int32) & jnp.int32(0x7F800000)
-        scale = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        bits = lax.bitcast_convert_type(scale, jnp.int32)
+        bits = lax.bitwise_and(bits, np.int32(0x7F800000))
+        scale = lax.bitcast_convert_type(bits, jnp.float32)
     return keep_non_finite(scale, amax)
 
 
@@ -47,19 +64,22 @@ def keep_non_finite(scale: jax.Array, amax: jax.Array) -> jax.Array:
     overflow reaches every finite check downstream (a loss scaler skips the step), as in torchao. One select
     on the scales, no pass over the operand.
     """
-    return jnp.where(jnp.isfinite(amax), scale, jnp.float32(jnp.nan)).astype(jnp.float32)
+    scale = _f32(scale)
+    return lax.select(lax.is_finite(amax), scale, _full(float("nan"), scale))
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
     """``x * scale`` in float32, saturated to the float8 range (finite values; a NaN scale gives NaN), cast."""
-    top = jnp.float32(fp8_max(dtype))
-    return jnp.clip(x.astype(jnp.float32) * scale, -top, top).astype(dtype)
+    top = fp8_max(dtype)
+    y = lax.mul(_f32(x), _f32(scale))
+    return lax.convert_element_type(lax.min(F32(top), lax.max(F32(-top), y)), dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
     """``q * (1 / scale)`` in float32 (the inverse scale is what a float8 GEMM takes; XLA would rewrite
     a division by a broadcast scale into this product anyway, so writing it out keeps jit and eager equal)."""
-    return q.astype(jnp.float32) * (1 / scale)
+    scale = _f32(scale)
+    return lax.mul(_f32(q), lax.div(F32(1.0), scale))
 
 
 _MM = (((2,), (1,)), ((0,), (0,)))  # [b, m, k] @ [b, k, n]
@@ -90,8 +110,8 @@ def scaled_matmul(
     """
     qa, qb = quantize(a, sa, da), quantize(b, sb, db)
     if gemm:
-        out = jax.lax.dot_general(qa, qb, _MM, preferred_element_type=jnp.float32)
-        return out * (1 / sa) * (1 / sb)
+        out = lax.dot_general(qa, qb, _MM, preferred_element_type=jnp.float32)
+        return lax.mul(lax.mul(out, lax.div(F32(1.0), _f32(sa))), lax.div(F32(1.0), _f32(sb)))
     return matmul_f32(dequantize(qa, sa), dequantize(qb, sb))
 
 
@@ -106,12 +126,17 @@ def row_scales(
     """The scale of ``x`` (an ``a[b, m, k]`` if ``first`` else a ``b[b, k, n]``) for ``"tensorwise"`` or
     ``"rowwise"``: a scalar, or one per index of the non-contracting dimension (``[b, m, 1]``, ``[b, 1, n]``)."""
     if scaling == "tensorwise":
-        return scale_from_amax(_amax(x), dtype, pow2=pow2)
-    return scale_from_amax(_amax(x, 2 if first else 1), dtype, pow2=pow2)
+        return scale_from_amax(abs_max(x), dtype, pow2=pow2)
+    return scale_from_amax(abs_max(x, 2 if first else 1), dtype, pow2=pow2)
 
 
-def _amax(x: jax.Array, axis: object = None) -> jax.Array:
-    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
+def abs_max(x: jax.Array, axis: object = None) -> jax.Array:
+    """The largest magnitude over ``axis`` (an int, a tuple, or None: all), the reduced axes kept as size 1."""
+    y = lax.abs(_f32(x))
+    if axis is None:
+        return lax.reduce_max(y, tuple(range(y.ndim)))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return lax.expand_dims(lax.reduce_max(y, axes), axes)
 
 
 def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -130,7 +155,7 @@ def qdq_first(x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: in
         return dequantize(quantize(x, s, dtype), s)
     bsz, m, k = x.shape
     xp = _pad(x, 2, block).reshape(bsz, m, -1, block)  # 1 x block tiles along k
-    s = scale_from_amax(_amax(xp, 3), dtype, pow2=pow2)
+    s = scale_from_amax(abs_max(xp, 3), dtype, pow2=pow2)
     return dequantize(quantize(xp, s, dtype), s).reshape(bsz, m, -1)[:, :, :k]
 
 
@@ -149,6 +174,6 @@ def qdq_second(
     cols = 1 if tiles else block
     xp = _pad(_pad(x, 1, block), 2, cols)
     xp = xp.reshape(bsz, xp.shape[1] // block, block, xp.shape[2] // cols, cols)
-    s = scale_from_amax(_amax(xp, (2, 4)), dtype, pow2=pow2)
+    s = scale_from_amax(abs_max(xp, (2, 4)), dtype, pow2=pow2)
     out = dequantize(quantize(xp, s, dtype), s)
     return out.reshape(bsz, xp.shape[1] * block, xp.shape[3] * cols)[:, :k, :n]

@@ -176,13 +176,13 @@ def history_amax(history: jax.Array, recipe: Float8Recipe) -> jax.Array:
     """The amax a delayed scale comes from (last axis: steps, newest first): their max or the newest one."""
     if recipe.amax_compute_algo == "most_recent":
         return history[..., 0]
-    return jnp.max(history, axis=-1)
+    return jax.lax.reduce_max(history, (history.ndim - 1,))
 
 
 def _current_or_history(x: jax.Array, hist_row: jax.Array, dtype: Any, recipe: Float8Recipe, mapped: tuple):
-    now = _global_max(jnp.max(jnp.abs(x.astype(_F32))), mapped)
+    now = _global_max(_quant.abs_max(x), mapped)
     past = history_amax(hist_row, recipe)
-    amax = jnp.where(past > 0, past, now)
+    amax = jax.lax.select(jax.lax.gt(past, _quant.F32(0.0)), past, now)
     scale = _quant.scale_from_amax(amax, dtype, pow2=recipe.pow2_scales, margin=recipe.margin)
     return _quant.keep_non_finite(scale, now), now  # an inf operand is not saturated by a past scale
 
