@@ -111,7 +111,9 @@ def scaled_matmul(
     qa, qb = quantize(a, sa, da), quantize(b, sb, db)
     if gemm:
         out = lax.dot_general(qa, qb, _MM, preferred_element_type=jnp.float32)
-        return lax.mul(lax.mul(out, lax.div(F32(1.0), _f32(sa))), lax.div(F32(1.0), _f32(sb)))
+        inv = [lax.div(F32(1.0), _f32(s)) for s in (sa, sb)]  # a scalar or one per row / column
+        inv = [lax.broadcast_in_dim(v, out.shape, tuple(range(v.ndim)) if v.ndim else ()) for v in inv]
+        return lax.mul(lax.mul(out, inv[0]), inv[1])
     return matmul_f32(dequantize(qa, sa), dequantize(qb, sb))
 
 
