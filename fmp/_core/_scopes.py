@@ -13,6 +13,7 @@ def find_key(path: str, key: str) -> int:
     """The position of the last match of ``key`` in ``path``, or -1.
 
     Examples:
+      >>> from fmp._core._scopes import find_key
       >>> find_key("blocks/10/attn", "blocks/1"), find_key("blocks/1/attn", "blocks/1")
       (-1, 0)
       >>> find_key("model/LayerNorm_0", "LayerNorm")
