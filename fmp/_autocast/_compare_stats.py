@@ -1,9 +1,9 @@
-"""Error statistics of one equation's outputs against the reference run, and the fix to suggest."""
+"""Error statistics of one equation's outputs against the reference run (JAX arrays); the formulas and the
+fix to suggest are ``fmp._core._compare_math``'s, shared with the torch side."""
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,22 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fmp._core._report import LOW, OpRecord
-from fmp._core._rules import DEFAULT_RULES, RuleSet
+from fmp._core._compare_math import array_parts, combine, needs_fix, suggestion
 
-# unit roundoff (half the machine epsilon) of each floating dtype an op may run in
-UNIT_ROUNDOFF = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-    "float8_e4m3fn": 2.0**-4,
-    "float8_e5m2": 2.0**-3,
-}
-
-# an op's own error this many unit roundoffs above its dtype's (or non-finite, or changed discrete outputs)
-# gets a suggestion; a correctly rounded elementwise op adds about one, a well-conditioned reduction a few
-FAR = 4.0
+__all__ = ["needs_fix", "output_stats", "suggestion"]
 
 
 def _kind(x: Any) -> str:
@@ -62,92 +49,16 @@ def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> tuple[Any, Any, An
     return combine(parts, flips)
 
 
-def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> tuple[Any, Any, Any, bool, int]:
-    """``output_stats`` from the ``_parts`` of each floating output (any array library's scalars)."""
-    if not parts:
-        return None, None, None, False, flips
-    signal = noise = max_abs = 0.0
-    nonfinite = False
-    for part in parts:
-        r_max, r_sq, d_max, d_sq, bad, over = (float(x) for x in part)
-        nonfinite |= bool(over)
-        signal += r_max * r_max * r_sq
-        noise += math.inf if bad else d_max * d_max * d_sq
-        max_abs = max(max_abs, math.inf if bad else d_max)
-    if noise == 0.0:
-        return 0.0, math.inf, max_abs, nonfinite, flips
-    error = math.sqrt(noise / signal) if signal > 0.0 else math.inf
-    sqnr = 10.0 * math.log10(signal / noise) if signal > 0.0 and math.isfinite(noise) else -math.inf
-    return error, sqnr, max_abs, nonfinite, flips
-
-
 _ON_DEVICE = 1 << 16  # elements from which the statistics run compiled, not in NumPy
-
-
-def _parts(xp: Any, p: Any, r: Any, top: Any = None) -> tuple[Any, ...]:
-    """Largest |reference| and sum of squares scaled by it, the same of the difference, any non-finite
-    difference, any non-finite value where the reference is finite (``xp``: ``numpy``, ``jax.numpy`` or
-    ``torch``; ``top``: the largest element of a non-negative array, 0 when empty, if ``xp.max`` has no
-    ``initial``)."""
-    top = top or (lambda x: xp.max(x, initial=0.0))
-    same = (p == r) | (xp.isnan(p) & xp.isnan(r))
-    diff = xp.where(same, 0.0, p - r)
-    finite = xp.isfinite(r)
-    ok = xp.isfinite(diff)
-    r0 = xp.abs(xp.where(finite, r, 0.0))
-    d0 = xp.abs(xp.where(ok, diff, 0.0))
-    r_max, d_max = top(r0), top(d0)
-    r_sq = xp.sum(xp.square(r0 / xp.where(r_max > 0, r_max, 1.0)))
-    d_sq = xp.sum(xp.square(d0 / xp.where(d_max > 0, d_max, 1.0)))
-    return r_max, r_sq, d_max, d_sq, xp.any(~ok), xp.any(~xp.isfinite(p) & finite)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _float_stats(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
-    return _parts(jnp, p.astype(wide), r.astype(wide))
+    return array_parts(jnp, p.astype(wide), r.astype(wide))
 
 
 def _float_stats_np(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
     with np.errstate(all="ignore"):
-        return _parts(np, np.asarray(p).astype(np.float64), np.asarray(r).astype(np.float64))
+        return array_parts(np, np.asarray(p).astype(np.float64), np.asarray(r).astype(np.float64))
 
 
-def unit_roundoff(row: OpRecord) -> float:
-    """The unit roundoff of the lowest-precision floating dtype the op ran with."""
-    names = [n for n in (*row.in_after, *row.out_after) if n in UNIT_ROUNDOFF]
-    return max((UNIT_ROUNDOFF[n] for n in names), default=UNIT_ROUNDOFF["float32"])
-
-
-def needs_fix(row: OpRecord) -> bool:
-    """The op's own error is far above its dtype's roundoff, or it overflows."""
-    if row.added_error is None:
-        return False
-    return not math.isfinite(row.added_error) or row.added_error > FAR * unit_roundoff(row)
-
-
-def suggestion(
-    row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = (), framework: str = "jax"
-) -> str | None:
-    """Code to paste that runs the op in float32: an override of its scope, or a rule-table move.
-
-    A discrete op whose outputs changed (``top_k`` on bfloat16 logits) is fixed where its inputs lost
-    their precision: ``producers``, the rows that made its inputs (empty when the op rounded its inputs
-    down itself), are named when they ran in low precision; with none, the flips are inherited.
-    ``framework="torch"`` moves ``aten::`` ops in the rule-table line.
-    """
-    culprits = [row]
-    if row.flips:
-        low = [p for p in producers if any(n in LOW for n in p.out_after)]
-        rounds_itself = not producers and any(n in LOW for n in row.in_after)
-        if not (low or rounds_itself):
-            return None
-        culprits = low or [row]
-    elif not needs_fix(row):
-        return None
-    if all(c.scope for c in culprits):
-        scopes = ", ".join(f'"{s}": "float32"' for s in dict.fromkeys(c.scope for c in culprits))
-        return f"overrides={{{scopes}}}"
-    base = "fmp.DEFAULT_RULES" if rules is DEFAULT_RULES else "rules"
-    ops = ", ".join(f'"{op}"' for op in dict.fromkeys(c.op for c in culprits))
-    where = 'framework="torch", ' if framework == "torch" else ""
-    return f"rules={base}.derive({where}float32=[{ops}])"

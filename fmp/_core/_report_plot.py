@@ -9,8 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
-
+from fmp._core._compare_math import UNIT_ROUNDOFF
 from fmp._core._optional import require
 
 OpRecord = Any  # fmp._core._report.OpRecord (which imports this module when a plot is drawn)
@@ -78,7 +77,7 @@ def plot(
 def _roundoff(ax: Any, low: Sequence[str], horizontal: bool) -> None:
     """A dotted line at the unit roundoff of each low-precision dtype the ops ran in."""
     for name in low:
-        u = float(ml_dtypes.finfo(name).eps) / 2
+        u = UNIT_ROUNDOFF[name]
         (ax.axhline if horizontal else ax.axvline)(u, ls=":", lw=0.8, color="0.4")
         if horizontal:  # labelled at the right end, clear of the labels of the first ops
             ax.annotate(f"{name} unit roundoff", (1.0, u), xycoords=("axes fraction", "data"), xytext=(-2, 2),

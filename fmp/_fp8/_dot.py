@@ -49,10 +49,10 @@ def _product(
     ``gemm`` (tensorwise and rowwise, whose scales are constant along the contraction): float8 operands into
     the matmul, scales on the result; blockwise always dequantises first (its scales vary along ``k``).
     """
-    if gemm and scaling in ("tensorwise", "rowwise"):
+    if scaling in ("tensorwise", "rowwise"):
         sa = _quant.row_scales(a, da, scaling, pow2, first=True)
         sb = _quant.row_scales(b, db, scaling, pow2, first=False)
-        return _quant.scaled_matmul(a, sa, da, b, sb, db, gemm=True)
+        return _quant.scaled_matmul(a, sa, da, b, sb, db, gemm)
     qa = _quant.qdq_first(a, da, scaling, block, pow2)
     qb = _quant.qdq_second(b, db, scaling, block, pow2, tiles=b_tiles)
     return _quant.matmul_f32(qa, qb)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fmp._autocast._compare_stats import suggestion
+from fmp._core._compare_math import suggestion
 from fmp._core._grad_report import GradError
 from fmp._core._report import LOW, OpRecord
 from fmp._core._rules import RuleSet

@@ -1,6 +1,6 @@
 """The error statistics of ``explain_fx(compare=True)`` on torch tensors, by the JAX side's formulas.
 
-The sums, maxima and non-finite checks are ``fmp._autocast._compare_stats._parts`` run with ``torch``
+The sums, maxima and non-finite checks are ``fmp._core._compare_math.array_parts`` run with ``torch``
 as the array library (on the tensors' own device), and the totals are its ``combine``: one
 definition of every number the two frameworks report.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fmp._autocast._compare_stats import _parts, combine
+from fmp._core._compare_math import array_parts, combine
 from fmp._core._grad_report import GradError, relative_error
 
 
@@ -32,7 +32,7 @@ def float_parts(p: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, ...]:
     overflows), in float64 when either is float64, as the JAX side's compiled statistics."""
     wide = torch.float64 if torch.float64 in (p.dtype, r.dtype) else torch.float32
     with torch.no_grad():
-        return _parts(torch, p.detach().to(wide), r.detach().to(wide), _top)
+        return array_parts(torch, p.detach().to(wide), r.detach().to(wide), _top)
 
 
 def output_stats(outs: Any, refs: Any) -> tuple[Any, Any, Any, bool, int]:
