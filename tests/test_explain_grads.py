@@ -176,3 +176,12 @@ def test_debugging_guide_gradient_example_runs():
     section = page.split("### In the gradients", 1)[1]
     block = section.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(block, "debugging.md", "exec"), {"__name__": "docs"})  # noqa: S102
+
+
+def test_the_widened_run_treats_the_float16_rounding_mark_as_the_identity():
+    from fmp._autocast._compare_grads import _Runs
+
+    x = jnp.linspace(1.1e-7, 3.3e-7, 8).reshape(1, 8)  # float16 subnormal range: its grid would move them
+    closed = jax.make_jaxpr(fmp.autocast(lambda x, w: x @ w, "mixed_float16"))(x, jnp.eye(8))
+    (out,) = _Runs(jnp.float32, (), fmp.DEFAULT_RULES, 1.0, True).lifted_eval(closed.jaxpr, closed.consts, [x, jnp.eye(8)])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))

@@ -45,6 +45,15 @@ def round_once(up: Any, src: Any) -> Any:
     return jax.lax.reduce_precision(up, exponent_bits=exponent, mantissa_bits=mantissa)
 
 
+def is_rounding(eqn: Any) -> bool:
+    """Whether ``eqn`` is the float16 rounding mark of ``round_once`` (a ``custom_jvp_call`` of
+    ``_rounder``'s function): like ``reduce_precision``, the identity for a run widened past float16."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return False
+    info = getattr(getattr(eqn.params.get("call_jaxpr"), "jaxpr", None), "debug_info", None)
+    return getattr(info, "func_name", None) == "fmp_round_subnormals"
+
+
 @functools.cache
 def _rounder(exponent: int, mantissa: int) -> Callable[[Any], Any]:
     """Rounding to a format with a narrower exponent than float32's, subnormals kept (as its convert does).
@@ -59,16 +68,16 @@ def _rounder(exponent: int, mantissa: int) -> Callable[[Any], Any]:
     step = tiny * 2.0**-mantissa  # subnormal spacing: 2**-24
 
     @jax.custom_jvp
-    def rounded(x: Any) -> Any:
+    def fmp_round_subnormals(x: Any) -> Any:
         normal = jax.lax.reduce_precision(x, exponent_bits=exponent, mantissa_bits=mantissa)
         k = jax.lax.round(x * np.asarray(1 / step, x.dtype), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
         return jax.lax.select(jax.lax.abs(x) < np.asarray(tiny, x.dtype), k * np.asarray(step, x.dtype), normal)
 
-    @rounded.defjvp
+    @fmp_round_subnormals.defjvp
     def _jvp(primals: tuple, tangents: tuple) -> tuple:
-        return rounded(primals[0]), tangents[0]
+        return fmp_round_subnormals(primals[0]), tangents[0]
 
-    return rounded
+    return fmp_round_subnormals
 
 
 @functools.cache

@@ -26,6 +26,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import closed_call_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p
 
+from fmp._autocast._cast import is_rounding
 from fmp._autocast._compare_stats import needs_fix, output_stats
 from fmp._autocast._context import REGION_SCOPE, aval_of, float_names
 from fmp._autocast._interp import bind
@@ -88,7 +89,9 @@ class _Runs:
             ins = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
             s_ins = [self.lift(v.val) if isinstance(v, Literal) else s_env[v] for v in eqn.invars]
             stack = (*outer, *eqn.source_info.name_stack.stack)
-            if eqn.primitive in _CALLS:
+            if is_rounding(eqn):  # fmp's float16 rounding mark: the identity when widened, as reduce_precision
+                outs, s_outs = bind(eqn, ins, eqn.params), list(s_ins)
+            elif eqn.primitive in _CALLS:
                 body = eqn.params[_CALLS[eqn.primitive]]
                 closed = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
                 outs, s_outs = self.eval(closed.jaxpr, closed.consts, ins, s_ins, stack, source(eqn) or where)
@@ -150,7 +153,9 @@ class _Runs:
         env.update(zip(jaxpr.invars, args, strict=True))
         for eqn in jaxpr.eqns:
             ins = [self.lift(v.val) if isinstance(v, Literal) else env[v] for v in eqn.invars]
-            if eqn.primitive in _CALLS:
+            if is_rounding(eqn):
+                outs = list(ins)
+            elif eqn.primitive in _CALLS:
                 body = eqn.params[_CALLS[eqn.primitive]]
                 closed = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
                 outs = self.lifted_eval(closed.jaxpr, closed.consts, ins)
