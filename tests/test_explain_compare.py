@@ -243,14 +243,26 @@ def test_debugging_guide_example_runs():
 
 def test_statistics_agree_in_numpy_and_compiled():
     from fmp._autocast import _compare_stats as cs
+    from fmp._core._compare_math import combine
 
     r = jax.random.normal(K[0], (1 << 17,)) * 1e20  # squares beyond float32: the sums are scaled
     p = (r * (1 + 1e-3 * jax.random.normal(K[1], r.shape))).at[5].set(jnp.inf).at[6].set(jnp.nan)
     r = r.at[6].set(jnp.nan)  # a NaN in both runs is no difference
-    for a, b in [(p, r), (p.at[5].set(r[5]), r)]:
-        dev = [float(x) for x in cs._float_stats(a, b, jnp.float32)]
-        host = [float(x) for x in cs._float_stats_np(a, b, jnp.float32)]
-        assert dev == pytest.approx(host, rel=1e-4)
+    small = jax.random.normal(K[2], r.shape)  # plain sums of squares on the device
+    pairs = [
+        (p, r),
+        (p.at[5].set(r[5]), r),
+        (small.astype(jnp.bfloat16), small),
+        (small, small),
+        ((small * 1e-30).astype(jnp.bfloat16), small * 1e-30),
+    ]
+    plain = [cs._plain(cs._plain_sums(a, b, jnp.float32), jnp.float32) for a, b in pairs]
+    assert plain == [False, False, True, True, False]  # non-finite, squares over float32, ..., squares flushed
+    for a, b in pairs:
+        dev = cs.output_stats([a], [b])
+        host = combine([cs._float_stats_np(a, b)])
+        assert dev[0] == pytest.approx(host[0], rel=1e-4) and dev[2] == pytest.approx(host[2], rel=1e-6)
+        assert dev[3] == host[3]
     err, _, _, nonfinite, _ = cs.output_stats([p.at[5].set(r[5])], [r])
     assert not nonfinite and err == pytest.approx(1e-3, rel=0.05)
     assert cs.output_stats([p], [r])[3] and cs.output_stats([p], [r])[0] == math.inf

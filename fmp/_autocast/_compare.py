@@ -22,12 +22,13 @@ from jax.extend.core.primitives import closed_call_p, custom_jvp_call_p, custom_
 
 from fmp._autocast import _compare_loops, _hops_calls, _jax_internals
 from fmp._autocast._cast import cast
-from fmp._autocast._compare_stats import output_stats, suggestion
+from fmp._autocast._compare_stats import Deferred, resolve, suggestion
 from fmp._autocast._context import Context, Handler, aval_of, float_names
 from fmp._autocast._helpers import helper_call
 from fmp._autocast._interp import bind, eval_jaxpr, rewrite_eqn
 from fmp._autocast._provenance import is_inline_call
 from fmp._autocast._transform import run_top
+from fmp._core._compare_math import EXACT_OPS
 from fmp._core._report import LOW
 
 _MSG_BODY = (
@@ -37,6 +38,10 @@ _MSG_BODY = (
 )
 
 
+# statistics are resolved once the arrays they hold reach this many bytes (and at the end)
+_HOLD = 64 << 20
+
+
 class Comparison:
     """The reference run beside one explain rewrite: one environment of reference values per jaxpr."""
 
@@ -44,10 +49,14 @@ class Comparison:
         self.ctx = ctx
         self.rewrite_handlers = rewrite_handlers  # the rewrite's own handlers (a loop body's dtypes are found by them)
         self.envs: list[dict[Any, Any]] = []
+        self.last: list[dict[int, list[Any]]] = []  # per jaxpr: id(equation) -> variables it reads last
         self.rows: dict[Any, int] = {}  # variable -> index of the explain row of the equation that made it
         self.pending: list[Any] | None = list(args)  # reference inputs of the next jaxpr entered
         self.returned: list[Any] | None = None  # reference outputs of the last jaxpr left
         self.returned_rows: list[int | None] = []  # and the rows that made them
+        # rows whose statistics are still on their way: (row, output stats, added-error stats, producer rows)
+        self.jobs: list[tuple[int, Deferred, Deferred, list[int]]] = []
+        self.held = 0  # bytes their statistics hold until they are resolved
 
     def enter(self, jaxpr: Jaxpr, consts: Sequence[Any]) -> None:
         if self.pending is None:
@@ -56,9 +65,11 @@ class Comparison:
         env.update(zip(jaxpr.invars, self.pending, strict=True))
         self.pending = None
         self.envs.append(env)
+        self.last.append(_last_uses(jaxpr))
 
     def leave(self, jaxpr: Jaxpr) -> None:
         env = self.envs.pop()
+        self.last.pop()
         self.returned = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
         self.returned_rows = [self.rows.get(v) for v in jaxpr.outvars]
 
@@ -75,14 +86,24 @@ class Comparison:
         ref_out = self.returned if nested else bind(eqn, ref_in, eqn.params)
         self.pending = self.returned = None
         env.update(zip(eqn.outvars, ref_out, strict=True))
+        for v in self.last[-1].get(id(eqn), ()):
+            env.pop(v, None)  # a reference value no later equation reads (streaming: its memory is freed)
         if nested:
             self.rows.update((v, i) for v, i in zip(eqn.outvars, self.returned_rows, strict=True) if i is not None)
         rows = [i for i in range(mark, len(records)) if records[i].category != "cast"]
         if len(rows) == 1 and records[rows[0]].op == eqn.primitive.name and not nested:
-            alone, baseline = self._alone(eqn, invals, ref_in, scope)
-            made = [records[self.rows[v]] for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
-            down = any(r.category == "cast" and set(r.out_after) & set(LOW) for r in records[mark:])
-            self._attach(rows[0], outs, ref_out, (alone, baseline or ref_out), made if not down else [])
+            made = [self.rows[v] for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
+            casts = [r for r in records[mark:] if r.category == "cast"]
+            down = any(set(r.out_after) & set(LOW) for r in casts)
+            if not casts and (_moves_values(eqn, records[rows[0]]) or _as_written(records[rows[0]])):
+                added = Deferred.exact(outs)  # on the reference inputs the op computes the reference output
+            else:
+                alone, baseline = self._alone(eqn, invals, ref_in, scope)
+                added = Deferred(alone, baseline or ref_out)
+            self.jobs.append((rows[0], Deferred(outs, ref_out), added, made if not down else []))
+            self.held += self.jobs[-1][1].held + added.held
+            if self.held > _HOLD:
+                self.flush()
             self.rows.update((v, rows[0]) for v in eqn.outvars)
         return outs
 
@@ -105,22 +126,50 @@ class Comparison:
             return alone, None
         return alone, bind(eqn, [_round_as(r, x) for r, x in zip(ref_in, invals, strict=True)], eqn.params)
 
-    def _attach(self, i: int, outs: list[Any], ref_out: list[Any], alone: tuple[Any, Any], made: list[Any]) -> None:
-        """Writes the statistics into row ``i``; ``alone``: the op's own run and its baseline."""
+    def flush(self) -> None:
+        """Writes the statistics started so far into their rows (one transfer from the device for all)."""
+        jobs, self.jobs, self.held = self.jobs, [], 0
+        resolve([d for _, out, alone, _ in jobs for d in (out, alone)])
         records = self.ctx.records if self.ctx.records is not None else []
-        err, sqnr, max_abs, nonfinite, flips = output_stats(outs, ref_out)
-        added, _, _, _, _ = output_stats(*alone)
-        row = dataclasses.replace(
-            records[i],
-            error=err,
-            added_error=added,
-            sqnr_db=sqnr,
-            max_abs_error=max_abs,
-            nonfinite=nonfinite,
-            flips=flips,
-        )
-        fix = suggestion(row, self.ctx.rules, made)
-        records[i] = dataclasses.replace(row, suggestion=fix) if fix else row
+        for i, out, alone, made in jobs:
+            err, sqnr, max_abs, nonfinite, flips = out.result()
+            row = dataclasses.replace(
+                records[i],
+                error=err,
+                added_error=alone.result()[0],
+                sqnr_db=sqnr,
+                max_abs_error=max_abs,
+                nonfinite=nonfinite,
+                flips=flips,
+            )
+            fix = suggestion(row, self.ctx.rules, [records[k] for k in made])
+            records[i] = dataclasses.replace(row, suggestion=fix) if fix else row
+
+
+def _last_uses(jaxpr: Jaxpr) -> dict[int, list[Any]]:
+    """``id(equation) -> the variables it is the last to read`` (the jaxpr's outputs are read at its end)."""
+    last: dict[Any, JaxprEqn] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                last[v] = eqn
+    kept = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    out: dict[int, list[Any]] = {}
+    for v, eqn in last.items():
+        if v not in kept:
+            out.setdefault(id(eqn), []).append(v)
+    return out
+
+
+def _moves_values(eqn: JaxprEqn, row: Any) -> bool:
+    """``eqn`` only moves, selects or compares its inputs' values (``EXACT_OPS``) and rounds none of them."""
+    return eqn.primitive.name in EXACT_OPS and set(row.out_after) <= set(row.in_after)
+
+
+def _as_written(row: Any) -> bool:
+    """The op ran in the dtypes the program wrote (inputs and outputs), so on the reference inputs it is
+    the program as written."""
+    return row.category != "float8" and row.in_after == row.in_before and row.out_after == row.out_before
 
 
 def _is_float(x: Any) -> bool:
@@ -201,3 +250,4 @@ def run(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> None:
     ctx.handlers = compare_handlers(dict(ctx.handlers))
     ctx.compare = Comparison(ctx, args, rewrite_handlers)
     run_top(closed, args, ctx)
+    ctx.compare.flush()

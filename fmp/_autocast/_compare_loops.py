@@ -53,6 +53,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     if p["reverse"]:
         ys.reverse()
         r_ys.reverse()
+    cmp.flush()  # the rows of every iteration hold their statistics before they are merged
     _merge(records, blocks)
     stacked = [jnp.stack(c) for c in zip(*ys, strict=True)]
     cmp.returned = [*r_carry, *(jnp.stack(c) for c in zip(*r_ys, strict=True))]

@@ -30,6 +30,40 @@ UNIT_ROUNDOFF = {
 FAR = 4.0
 
 
+# operations that compute no new floating value: they move, select, reorder or negate their inputs' values,
+# or pick one of them (max, min); run on values of their output dtype, they add exactly zero error
+EXACT_OPS = frozenset(
+    {
+        "abs",
+        "broadcast_in_dim",
+        "clamp",
+        "concatenate",
+        "copy",
+        "copy_p",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "expand_dims",
+        "gather",
+        "max",
+        "min",
+        "neg",
+        "optimization_barrier",
+        "pad",
+        "reduce_max",
+        "reduce_min",
+        "reshape",
+        "rev",
+        "select_n",
+        "slice",
+        "sort",
+        "split",
+        "squeeze",
+        "stop_gradient",
+        "transpose",
+    }
+)
+
+
 def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> tuple[Any, Any, Any, bool, int]:
     """``output_stats`` from the ``_parts`` of each floating output (any array library's scalars)."""
     if not parts:
@@ -80,9 +114,7 @@ def needs_fix(row: OpRecord) -> bool:
     return not math.isfinite(row.added_error) or row.added_error > FAR * unit_roundoff(row)
 
 
-def suggestion(
-    row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = (), framework: str = "jax"
-) -> str | None:
+def suggestion(row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = (), framework: str = "jax") -> str | None:
     """Code to paste that runs the op in float32: an override of its scope, or a rule-table move.
 
     A discrete op whose outputs changed (``top_k`` on bfloat16 logits) is fixed where its inputs lost
