@@ -52,6 +52,7 @@ class Comparison:
         self.last: list[dict[int, list[Any]]] = []  # per jaxpr: id(equation) -> variables it reads last
         self.rows: dict[Any, int] = {}  # variable -> index of the explain row of the equation that made it
         self.pending: list[Any] | None = list(args)  # reference inputs of the next jaxpr entered
+        self.pending_rows: list[int | None] = []  # and the rows that made them
         self.returned: list[Any] | None = None  # reference outputs of the last jaxpr left
         self.returned_rows: list[int | None] = []  # and the rows that made them
         # rows whose statistics are still on their way: (row, output stats, added-error stats, producer rows)
@@ -63,7 +64,8 @@ class Comparison:
             raise RuntimeError("fmp.explain(compare=True): a body was entered without reference inputs")
         env = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, self.pending, strict=True))
-        self.pending = None
+        self.rows.update((v, i) for v, i in zip(jaxpr.invars, self.pending_rows, strict=False) if i is not None)
+        self.pending, self.pending_rows = None, []
         self.envs.append(env)
         self.last.append(_last_uses(jaxpr))
 
@@ -81,6 +83,7 @@ class Comparison:
         records = ctx.records if ctx.records is not None else []
         mark = len(records)
         self.pending, self.returned = ref_in, None
+        self.pending_rows = [None if isinstance(v, Literal) else self.rows.get(v) for v in eqn.invars]
         outs = rewrite_eqn(eqn, invals, ctx, scope)
         nested = eqn.primitive in ctx.handlers and self.returned is not None
         ref_out = self.returned if nested else bind(eqn, ref_in, eqn.params)

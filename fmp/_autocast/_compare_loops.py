@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from fmp._autocast._cast import cast
+from fmp._autocast._compare_stats import output_stats, suggestion
 from fmp._autocast._context import Context, like_avals
 from fmp._autocast._hops import _loop_body
 from fmp._autocast._interp import eval_jaxpr
@@ -38,6 +39,8 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     _, carry_avals = _loop_body(closed, before, list(closed.in_avals[nc : nc + nk]), after, carry, quiet, scope)
     carry = _pin(carry, carry_avals, ctx)
     records = ctx.records if ctx.records is not None else []
+    inputs_error = output_stats(invals, ref)[0] or 0.0
+    writers: list[int | None] = []
     blocks: list[tuple[int, int]] = []
     ys: list[list[Any]] = []
     r_ys: list[list[Any]] = []
@@ -47,6 +50,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
         outs = eval_jaxpr(closed.jaxpr, closed.consts, [*consts, *carry, *(x[t] for x in xs)], ctx, scope)
         carry = _pin(outs[:nk], carry_avals, ctx)
         r_carry = cmp.returned[:nk]
+        writers = list(cmp.returned_rows[:nk])
         ys.append(outs[nk:])
         r_ys.append(cmp.returned[nk:])
         blocks.append((mark, len(records)))
@@ -55,10 +59,39 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
         r_ys.reverse()
     cmp.flush()  # the rows of every iteration hold their statistics before they are merged
     _merge(records, blocks)
+    if blocks:
+        last, first = blocks[-1][0], blocks[0][0]
+        at = [None if i is None or i < last else first + i - last for i in writers]
+        _charge_carry(records, at, carry, r_carry, inputs_error, ctx)
     stacked = [jnp.stack(c) for c in zip(*ys, strict=True)]
     cmp.returned = [*r_carry, *(jnp.stack(c) for c in zip(*r_ys, strict=True))]
     cmp.returned_rows = [None] * (nk + len(stacked))
     return [*carry, *stacked]
+
+
+def _charge_carry(
+    records: list[OpRecord],
+    at: list[int | None],
+    carry: list[Any],
+    r_carry: list[Any],
+    inputs_error: float,
+    ctx: Context,
+) -> None:
+    """Charges each op that writes a carried value with the error that value ends the loop with, where the
+    loop compounded it: more than twice the loop's inputs' error and more than the op's own per-iteration
+    error (a sum carried in bfloat16 loses its addends once it is large, one rounding at a time)."""
+    for i, c, r in zip(at, carry, r_carry, strict=True):
+        err = output_stats([c], [r])[0]
+        if i is None or err is None or records[i].added_error is None:
+            continue
+        row = records[i]
+        if err > max(row.added_error, 2.0 * inputs_error):
+            row = dataclasses.replace(row, added_error=err, detail=_join(row.detail, "compounded through the carry"))
+            records[i] = dataclasses.replace(row, suggestion=suggestion(row, ctx.rules) or row.suggestion)
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
 
 
 def _pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:

@@ -29,6 +29,9 @@ UNIT_ROUNDOFF = {
 # gets a suggestion; a correctly rounded elementwise op adds about one, a well-conditioned reduction a few
 FAR = 4.0
 
+# an op whose output error is this many times its inputs' (and above FAR roundoffs) magnifies them
+AMPLIFIED = 16.0
+
 
 # operations that compute no new floating value: they move, select, reorder or negate their inputs' values,
 # or pick one of them (max, min); run on values of their output dtype, they add exactly zero error
@@ -114,21 +117,35 @@ def needs_fix(row: OpRecord) -> bool:
     return not math.isfinite(row.added_error) or row.added_error > FAR * unit_roundoff(row)
 
 
+def amplified(row: OpRecord, producers: Sequence[OpRecord] = ()) -> bool:
+    """The op's output error is far above its dtype's roundoff and ``AMPLIFIED`` times its inputs' errors,
+    while the op adds none of it: an ill-conditioned op (``cos`` of a large angle, a cancelling
+    subtraction) that magnifies a small rounding of its inputs."""
+    if not row.error or not producers or not math.isfinite(row.error):
+        return False
+    inherited = max((p.error or 0.0) for p in producers)
+    own = row.added_error or 0.0
+    return row.error > FAR * unit_roundoff(row) and row.error > AMPLIFIED * max(inherited, own)
+
+
 def suggestion(row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = (), framework: str = "jax") -> str | None:
     """Code to paste that runs the op in float32: an override of its scope, or a rule-table move.
 
-    A discrete op whose outputs changed (``top_k`` on bfloat16 logits) is fixed where its inputs lost
-    their precision: ``producers``, the rows that made its inputs (empty when the op rounded its inputs
-    down itself), are named when they ran in low precision; with none, the flips are inherited.
-    ``framework="torch"`` moves ``aten::`` ops in the rule-table line.
+    A discrete op whose outputs changed (``top_k`` on bfloat16 logits), or an op that magnifies its
+    inputs' small error (``amplified``: ``cos`` of an angle rounded to bfloat16), is fixed where its
+    inputs lost their precision: ``producers``, the rows that made its inputs (empty when the op rounded
+    its inputs down itself), are named when they ran in low precision; with none, the flips are
+    inherited. ``framework="torch"`` moves ``aten::`` ops in the rule-table line.
     """
     culprits = [row]
+    low = [p for p in producers if any(n in LOW for n in p.out_after)]
     if row.flips:
-        low = [p for p in producers if any(n in LOW for n in p.out_after)]
         rounds_itself = not producers and any(n in LOW for n in row.in_after)
         if not (low or rounds_itself):
             return None
         culprits = low or [row]
+    elif low and amplified(row, producers):
+        culprits = low
     elif not needs_fix(row):
         return None
     if all(c.scope for c in culprits):

@@ -132,8 +132,9 @@ class Report:
     grads: GradReport | None = None
 
     def worst(self, k: int = 10, *, grads: bool = False) -> tuple[OpRecord, ...]:
-        """The ``k`` compared rows with the largest ``added_error``, rows with non-finite values first
-        (``grads=True``: of the backward rows)."""
+        """The ``k`` worst compared rows: rows with non-finite values first, then rows with a suggested fix,
+        each group by decreasing ``added_error`` (then flips, then error) (``grads=True``: of the backward
+        rows)."""
         if not self.compared:
             raise ValueError("Report.worst needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
         return worst_rows(self.grad_rows if grads else self.records, k)

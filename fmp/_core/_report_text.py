@@ -8,12 +8,13 @@ from typing import Any
 OpRecord = Any  # fmp._core._report.OpRecord (whose Report formats itself with this module)
 
 
-def _rank(r: OpRecord) -> tuple[bool, float, int, float]:
-    return (r.nonfinite, r.added_error or 0.0, r.flips, r.error or 0.0)
+def _rank(r: OpRecord) -> tuple[bool, bool, float, int, float]:
+    return (r.nonfinite, r.suggestion is not None, r.added_error or 0.0, r.flips, r.error or 0.0)
 
 
 def worst_rows(records: Iterable[OpRecord], k: int) -> tuple[OpRecord, ...]:
-    """Compared rows by decreasing own error (non-finite first, then added error, flips, error)."""
+    """Compared rows, worst first: non-finite values, then rows with a fix, each by decreasing added error,
+    flips and error."""
     rows = [r for r in records if r.error is not None or r.flips]
     return tuple(sorted(rows, key=_rank, reverse=True)[: max(k, 0)])
 
@@ -23,7 +24,8 @@ def _num(x: float | None, fmt: str = ".2e") -> str:
 
 
 def format_worst(
-    rows: Iterable[OpRecord], title: str = "worst ops (own error first; error = relative L2 vs the program as written)"
+    rows: Iterable[OpRecord],
+    title: str = "worst ops (overflows and fixes first; error = relative L2 vs the program as written)",
 ) -> str:
     """The worst ops, one block each: errors, where in the source, and the suggested fix."""
     out = [title]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fmp._core._compare_math import suggestion
+from fmp._core._compare_math import FAR, suggestion, unit_roundoff
 from fmp._core._grad_report import GradError
 from fmp._core._report import LOW, OpRecord
 from fmp._core._rules import RuleSet
@@ -215,10 +215,18 @@ def compare(
                 for a in n.all_input_nodes
             )
             rows[i] = _attach(rows[i], pol.env[n], ref.env[b], alone, baseline, rules)
-            if rows[i].flips:  # a discrete op's fix is where its inputs lost their precision
+            if rows[i].flips or _may_magnify(rows[i]):  # then the fix is where its inputs lost their precision
                 made = [] if down else _low_producers(b, env, row_of, rows)
-                rows[i] = dataclasses.replace(rows[i], suggestion=suggestion(rows[i], rules, made, framework="torch"))
+                fix = suggestion(rows[i], rules, made, framework="torch")
+                if rows[i].flips or fix:
+                    rows[i] = dataclasses.replace(rows[i], suggestion=fix)
     return rows
+
+
+def _may_magnify(row: OpRecord) -> bool:
+    """No fix of its own, but an error far above its dtype's roundoff: an op that may magnify its inputs'
+    error (``amplified``, decided with the rows that made them)."""
+    return row.suggestion is None and (row.error or 0.0) > FAR * unit_roundoff(row)
 
 
 def _low_producers(

@@ -302,3 +302,31 @@ def test_a_model_run_as_written_reports_zero_everywhere():
     compared = [r for r in rep.records if r.error is not None]
     assert len(compared) > 10 and all(r.category in ("override", "cast") for r in rep.records)
     assert all(r.error == 0.0 and r.added_error == 0.0 and r.suggestion is None for r in compared)
+
+
+class _Rotary(nn.Module):
+    """Rotary angles from a matmul with one contracted element: bfloat16 under torch's autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000.0 ** (torch.arange(16).float() / 16)))
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[0], dtype=torch.float32)
+        angles = pos[:, None] @ self.inv_freq[None, :]
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat([x1 * angles.cos() - x2 * angles.sin(), x1 * angles.sin() + x2 * angles.cos()], -1).sum(0)
+
+
+def test_rotary_angles_rounded_to_bfloat16_are_found_at_cos_and_sin_and_fixed_at_the_matmul():
+    # the matmul's own error is one bfloat16 rounding, far below a suggestion; cos and sin of angles up to
+    # 2047 rad magnify it to ~0.5 and name the scope of the op that rounded them
+    model, x = nn.Sequential(nn.Identity(), _Rotary()), torch.randn(2048, 32)
+    rep = fmp.torch.explain_fx(model, (x,), CPU, compare=True)
+    top = rep.worst(1)[0]
+    mm = [r for r in rep.records if r.op == "aten::matmul"][0]
+    assert top.op in ("aten::cos", "aten::sin") and top.error > 0.1 > top.added_error
+    assert mm.suggestion is None and mm.added_error < 2**-8 and top.suggestion == 'overrides={"1": "float32"}'
+    fixed = fmp.torch.explain_fx(model, (x,), CPU, compare=True, **_apply(top.suggestion))
+    assert max(r.error for r in fixed.records if r.op in ("aten::cos", "aten::sin")) < 1e-6
+    assert not any(r.suggestion for r in fixed.records)
