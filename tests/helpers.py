@@ -132,3 +132,20 @@ def run_processes(argv_of, n: int, *, env: dict[str, str], timeout: float) -> li
         for i, (p, (out, err)) in enumerate(zip(procs, texts, strict=True))
     )
     raise AssertionError(f"{failed or 'a process failed'}:\n{report}")
+
+
+def near_tied_router() -> tuple:
+    """``(route, x, w)``: a top-2 router over 8 near-tied experts, its logits a matmul in a "router" scope;
+    in bfloat16 many tokens pick other experts."""
+    import jax
+
+    k = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(k[0], (256, 32))
+    w = jax.random.normal(k[1], (32, 1)) + 1e-3 * jax.random.normal(k[2], (32, 8))
+
+    def route(x, w):
+        with jax.named_scope("router"):
+            logits = x @ w
+        return jax.lax.top_k(logits, 2)[1]
+
+    return route, x, w

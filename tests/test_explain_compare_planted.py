@@ -3,8 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import fmp
+from tests.helpers import near_tied_router
 
 K = jax.random.split(jax.random.key(2), 6)
 
@@ -53,11 +55,14 @@ def test_a_million_values_accumulated_in_bfloat16_are_found_and_fixed():
     top = rep.worst(1)[0]
     assert top.op == "add" and top.iterations == 1000
     assert top.added_error_mean < 2**-8 < 0.1 < top.added_error  # each step is fine; the loop is not
+    assert top.error_mean < top.error and "compounded through the carry" in top.detail
+    (final,) = [r for r in rep.records if r.op == "reduce_sum"]
+    want = float(np.sum(np.asarray(xs, np.float64)))
+    got = float(fmp.autocast(total, rules=rules)(xs))
+    assert final.error == pytest.approx(abs(got - want) / want, rel=1e-3) and final.error > 0.1
     assert top.suggestion == 'rules=rules.derive(float32=["add"])'
     fixed = fmp.explain(total, compare=True, **apply(top.suggestion, rules))(xs)
     assert _row(fixed, "add").added_error == 0.0 and _row(fixed, "reduce_sum").error < 1e-5
-    want = float(np.sum(np.asarray(xs, np.float64)))
-    assert abs(float(fmp.autocast(total, rules=rules)(xs)) - want) / want > 0.1
 
 
 def test_a_bfloat16_reduction_loses_only_its_final_rounding():
@@ -131,14 +136,7 @@ def test_a_bfloat16_cast_written_by_hand_is_the_reference():
 
 
 def test_top_k_router_flips_are_found_and_fixed():
-    x = jax.random.normal(K[0], (256, 32))
-    w = jax.random.normal(K[1], (32, 1)) + 1e-3 * jax.random.normal(K[2], (32, 8))  # near-tied experts
-
-    def route(x, w):
-        with jax.named_scope("router"):
-            logits = x @ w
-        return jax.lax.top_k(logits, 2)[1]
-
+    route, x, w = near_tied_router()
     rep = fmp.explain(route, compare=True)(x, w)
     top = rep.worst(1)[0]
     assert top.op == "top_k" and top.flips > 0

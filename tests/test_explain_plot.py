@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import fmp
+from tests.helpers import near_tied_router
 
 matplotlib = pytest.importorskip("matplotlib")
 from matplotlib.axes import Axes  # noqa: E402
@@ -100,14 +101,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(report, monkeypatch):
 
 
 def test_plot_marks_changed_discrete_outputs():
-    x = jax.random.normal(K[0], (256, 32))
-    w = jax.random.normal(K[1], (32, 1)) + 1e-3 * jax.random.normal(K[2], (32, 8))  # near-tied experts
-
-    def route(x, w):
-        with jax.named_scope("router"):
-            logits = x @ w
-        return jax.lax.top_k(logits, 2)[1]
-
+    route, x, w = near_tied_router()
     rep = fmp.explain(route, compare=True)(x, w)
     (top_k,) = [r for r in rep.records if r.op == "top_k"]
     assert top_k.flips > 0  # marked above the errors: flips have no place on the log axis
