@@ -109,18 +109,6 @@ def test_scan_rows_are_aggregated_over_iterations(reverse):
     assert all(r.error == 0.0 for r in exact.records if r.error is not None)
 
 
-@pytest.mark.parametrize("op", ["while", "cond"])
-def test_other_bodies_are_refused_not_misreported(op):
-    def f(x):
-        if op == "while":
-            return jax.lax.while_loop(lambda c: c.sum() < 1e3, lambda c: jnp.tanh(c @ W) + 1.0, x)
-        return jax.lax.cond(x.sum() > 0, jnp.tanh, jnp.sin, x)
-
-    with pytest.raises(NotImplementedError, match="compare=True"):
-        fmp.explain(f, compare=True)(X)
-    assert fmp.explain(f)(X).records  # without compare the dtypes are still reported
-
-
 def test_traced_arguments_refused():
     with pytest.raises(TypeError, match="outside jit"):
         jax.jit(lambda x, w: fmp.explain(mlp, compare=True)(x, w).records)(X, W)

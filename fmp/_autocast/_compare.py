@@ -6,7 +6,7 @@ reference values (the program as written, on the same inputs), and writes the er
 the equation's outputs into its explain row. The reference values live beside the interpreter's own,
 one environment per jaxpr being evaluated, so nested bodies (``jit``, ``checkpoint``, custom
 derivative calls, inline helpers, ``scan`` iterations: ``_compare_loops``) are compared equation by
-equation. Bodies not evaluated here yet (``while``, ``cond``, ``shard_map``, linear solves) are refused
+equation; ``while`` and ``cond`` too. Bodies not evaluated here yet (``shard_map``, linear solves) are refused
 with a clear error.
 """
 
@@ -18,7 +18,16 @@ from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
-from jax.extend.core.primitives import closed_call_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p, scan_p
+from jax.extend.core.primitives import (
+    closed_call_p,
+    cond_p,
+    custom_jvp_call_p,
+    custom_vjp_call_p,
+    jit_p,
+    remat_p,
+    scan_p,
+    while_p,
+)
 
 from fmp._autocast import _compare_loops, _hops_calls, _jax_internals
 from fmp._autocast._cast import cast
@@ -32,9 +41,9 @@ from fmp._core._compare_math import EXACT_OPS
 from fmp._core._report import LOW
 
 _MSG_BODY = (
-    "fmp.explain(compare=True) does not yet compare inside {name!r} bodies (while loops, cond, shard_map and "
-    "linear solves are rewritten as traced bodies, which hold no values to compare). Call fmp.explain "
-    "without compare=True for the dtypes, or compare a function that runs one step of the loop."
+    "fmp.explain(compare=True) does not yet compare inside {name!r} bodies (shard_map and linear solves are "
+    "rewritten as traced bodies, which hold no values to compare). Call fmp.explain without compare=True "
+    "for the dtypes, or compare the function the body runs."
 )
 
 
@@ -64,7 +73,12 @@ class Comparison:
             raise RuntimeError("fmp.explain(compare=True): a body was entered without reference inputs")
         env = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, self.pending, strict=True))
-        self.rows.update((v, i) for v, i in zip(jaxpr.invars, self.pending_rows, strict=False) if i is not None)
+        made = dict(zip(jaxpr.invars, self.pending_rows, strict=False))
+        for v in jaxpr.invars:  # a body runs again (a loop): a row of its last run is no maker now
+            if made.get(v) is None:
+                self.rows.pop(v, None)
+            else:
+                self.rows[v] = made[v]
         self.pending, self.pending_rows = None, []
         self.envs.append(env)
         self.last.append(_last_uses(jaxpr))
@@ -91,6 +105,8 @@ class Comparison:
         env.update(zip(eqn.outvars, ref_out, strict=True))
         for v in self.last[-1].get(id(eqn), ()):
             env.pop(v, None)  # a reference value no later equation reads (streaming: its memory is freed)
+        for v in eqn.outvars:
+            self.rows.pop(v, None)  # set again below where a row made it
         if nested:
             self.rows.update((v, i) for v, i in zip(eqn.outvars, self.returned_rows, strict=True) if i is not None)
         rows = [i for i in range(mark, len(records)) if records[i].category != "cast"]
@@ -229,6 +245,8 @@ def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
         custom_jvp_call_p: _custom,
         custom_vjp_call_p: _custom,
         scan_p: _compare_loops.scan,
+        while_p: _compare_loops.while_loop,
+        cond_p: _compare_loops.cond,
     }
     if "call" in prims:
         evaluated[prims["call"]] = _closed_call

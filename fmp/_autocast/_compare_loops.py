@@ -1,4 +1,5 @@
-"""``scan`` under ``explain(compare=True)``: the body run iteration by iteration, its rows aggregated.
+"""``scan``, ``while`` and ``cond`` under ``explain(compare=True)``: loop bodies run iteration by iteration,
+their rows aggregated; a ``cond`` compared in the branch the policy run takes.
 
 The carry dtypes are those the rewrite gives the loop (``_hops.loop_body``'s fixed point, found
 without recording); then every iteration evaluates the body on values, beside the reference, and
@@ -12,14 +13,16 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, JaxprEqn
+from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 
 from fmp._autocast._cast import cast
 from fmp._autocast._compare_stats import output_stats, suggestion
-from fmp._autocast._context import Context, like_avals
+from fmp._autocast._context import Context, aval_of, is_castable, like_avals
+from fmp._autocast._hops import _cond as _hops_cond
 from fmp._autocast._hops import _loop_body
-from fmp._autocast._interp import eval_jaxpr
+from fmp._autocast._interp import eval_jaxpr, transform_closed
 from fmp._core._report import OpRecord
 
 
@@ -57,16 +60,136 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     if p["reverse"]:
         ys.reverse()
         r_ys.reverse()
-    cmp.flush()  # the rows of every iteration hold their statistics before they are merged
+    _finish(ctx, blocks, writers, carry, r_carry, inputs_error)
+    stacked = [jnp.stack(c) for c in zip(*ys, strict=True)]
+    cmp.returned = [*r_carry, *(jnp.stack(c) for c in zip(*r_ys, strict=True))]
+    cmp.returned_rows = [None] * (nk + len(stacked))
+    return [*carry, *stacked]
+
+
+def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """The rewrite's while loop, evaluated one iteration at a time beside the loop as written.
+
+    Each run tests its own condition on its own carry, compared like any body (a predicate that flips
+    counts in its comparison's row); the iterations both runs make are compared. Where one run stops
+    first, the other finishes on its own and the rows say how many iterations each made.
+    """
+    cmp = ctx.compare
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+    ref = cmp.pending
+    r_cconsts, r_bconsts, r_carry = ref[:nc], ref[nc : nc + nb], ref[nc + nb :]
+    quiet = dataclasses.replace(ctx, records=None, compare=None, handlers=cmp.rewrite_handlers)
+    before = like_avals(body.in_avals[:nb], bconsts)
+    new_body, carry_avals = _loop_body(body, before, list(body.in_avals[nb:]), [], carry, quiet, scope)
+    carry = _pin(carry, carry_avals, ctx)
+    new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, quiet, scope)
+    records = ctx.records if ctx.records is not None else []
+    inputs_error = output_stats(invals, ref)[0] or 0.0
+    tests: list[OpRecord] = []  # the condition's rows, every evaluation (they follow the body's rows)
+    test_blocks: list[tuple[int, int]] = []
+
+    def test() -> tuple[bool, bool]:
+        cmp.flush()  # the statistics started so far belong to the rows in ``records``
+        saved, ctx.records = ctx.records, []
+        try:
+            cmp.pending, cmp.pending_rows = [*r_cconsts, *r_carry], []
+            pred = eval_jaxpr(cond.jaxpr, cond.consts, [*cconsts, *carry], ctx, scope)[0]
+            r_pred = cmp.returned[0]
+            cmp.flush()
+            got = ctx.records
+        finally:
+            ctx.records = saved
+        test_blocks.append((len(tests), len(tests) + len(got)))
+        tests.extend(got)
+        return bool(pred), bool(r_pred)
+
+    writers: list[int | None] = []
+    blocks: list[tuple[int, int]] = []
+    more, r_more = test()
+    n = r_n = 0
+    while more and r_more:
+        mark = len(records)
+        cmp.pending, cmp.pending_rows = [*r_bconsts, *r_carry], []
+        carry = _pin(eval_jaxpr(body.jaxpr, body.consts, [*bconsts, *carry], ctx, scope), carry_avals, ctx)
+        r_carry, writers = cmp.returned, list(cmp.returned_rows)
+        blocks.append((mark, len(records)))
+        n = r_n = n + 1
+        more, r_more = test()
+    while more:  # the policy's loop goes on alone
+        carry, n = _pin(jaxpr_as_fun(new_body)(*bconsts, *carry), carry_avals, ctx), n + 1
+        more = bool(jaxpr_as_fun(new_cond)(*cconsts, *carry)[0])
+    while r_more:  # the loop as written goes on alone
+        r_carry, r_n = jaxpr_as_fun(body)(*r_bconsts, *r_carry), r_n + 1
+        r_more = bool(jaxpr_as_fun(cond)(*r_cconsts, *r_carry)[0])
+    _finish(ctx, blocks, writers, carry, r_carry, inputs_error)
+    start = blocks[0][0] if blocks else len(records)
+    _merge(tests, test_blocks)
+    records.extend(dataclasses.replace(r, index=len(records) + k) for k, r in enumerate(tests))
+    if n != r_n:
+        detail = f"the loop ran {n} iterations under the policy, {r_n} as written"
+        for i in range(start, len(records)):
+            records[i] = dataclasses.replace(records[i], detail=_join(records[i].detail, detail))
+    cmp.returned, cmp.returned_rows = list(r_carry), [None] * len(carry)
+    return carry
+
+
+def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """The branch the policy run takes, compared on the reference inputs through the same branch; the rows
+    of the other branches are listed, not run (``iterations`` 0).
+
+    Where the program as written takes another branch (a predicate that flipped: its comparison's row
+    counts the flips), the cond's reference outputs are that branch's, and the rows say so.
+    """
+    cmp = ctx.compare
+    branches = eqn.params["branches"]
+    ref, made = cmp.pending, cmp.pending_rows[1:]
+    last = len(branches) - 1
+    i, r_i = (min(max(int(x), 0), last) for x in (invals[0], ref[0]))
+    quiet = dataclasses.replace(ctx, records=None, compare=None, handlers=cmp.rewrite_handlers)
+    dtypes = [a.dtype for a in jax.eval_shape(lambda *a: _hops_cond(eqn, list(a), quiet, scope), *invals)]
+    listed = dataclasses.replace(ctx, compare=None, handlers=cmp.rewrite_handlers)
+    records = ctx.records if ctx.records is not None else []
+    outs: list[Any] = []
+    for k, branch in enumerate(branches):
+        mark = len(records)
+        if k != i:
+            transform_closed(branch, like_avals(branch.in_avals, invals[1:]), listed, scope)
+            records[mark:] = [dataclasses.replace(r, iterations=0) for r in records[mark:]]
+            continue
+        cmp.pending, cmp.pending_rows = list(ref[1:]), made
+        outs = eval_jaxpr(branch.jaxpr, branch.consts, list(invals[1:]), ctx, scope)
+        returned, returned_rows = cmp.returned, cmp.returned_rows
+        if r_i != i:
+            detail = f"branch {i} under the policy, {r_i} as written"
+            records[mark:] = [dataclasses.replace(r, detail=_join(r.detail, detail)) for r in records[mark:]]
+            returned, returned_rows = list(jaxpr_as_fun(branches[r_i])(*ref[1:])), [None] * len(outs)
+    cmp.returned, cmp.returned_rows = returned, returned_rows
+    return [cast(x, d, ctx) if _is_float(x) else x for x, d in zip(outs, dtypes, strict=True)]
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and is_castable(aval_of(x).dtype)
+
+
+def _finish(
+    ctx: Context,
+    blocks: list[tuple[int, int]],
+    writers: list[int | None],
+    carry: list[Any],
+    r_carry: list[Any],
+    inputs_error: float,
+) -> None:
+    """A loop's rows: every iteration's statistics resolved, merged per equation, the carry writers charged."""
+    ctx.compare.flush()  # the rows of every iteration hold their statistics before they are merged
+    records = ctx.records if ctx.records is not None else []
     _merge(records, blocks)
     if blocks:
         last, first = blocks[-1][0], blocks[0][0]
         at = [None if i is None or i < last else first + i - last for i in writers]
         _charge_carry(records, at, carry, r_carry, inputs_error, ctx)
-    stacked = [jnp.stack(c) for c in zip(*ys, strict=True)]
-    cmp.returned = [*r_carry, *(jnp.stack(c) for c in zip(*r_ys, strict=True))]
-    cmp.returned_rows = [None] * (nk + len(stacked))
-    return [*carry, *stacked]
 
 
 def _charge_carry(
@@ -116,20 +239,24 @@ def _merge(records: list[OpRecord], blocks: list[tuple[int, int]]) -> None:
 
 
 def _worst(rows: list[OpRecord]) -> OpRecord:
-    """One row for an equation over every iteration: the worst iteration's, with the means added."""
-    if rows[0].error is None and not any(r.flips for r in rows):
-        return rows[0]
-    worst = max(rows, key=lambda r: (r.nonfinite, r.added_error or 0.0, r.error or 0.0, r.flips))
+    """One row for an equation over every iteration: the worst iteration's, with the means added; the
+    iterations are those that ran it (a ``cond`` branch not taken did not)."""
+    ran = [r for r in rows if r.iterations]
+    if not ran:
+        return dataclasses.replace(rows[0], iterations=0)
+    if ran[0].error is None and not any(r.flips for r in ran) and all(r.error is None for r in ran):
+        return dataclasses.replace(ran[0], iterations=sum(r.iterations for r in ran))
+    worst = max(ran, key=lambda r: (r.nonfinite, r.added_error or 0.0, r.error or 0.0, r.flips))
     return dataclasses.replace(
         worst,
-        error=max((r.error for r in rows if r.error is not None), default=None),
-        sqnr_db=min((r.sqnr_db for r in rows if r.sqnr_db is not None), default=None),
-        max_abs_error=max((r.max_abs_error for r in rows if r.max_abs_error is not None), default=None),
-        nonfinite=any(r.nonfinite for r in rows),
-        flips=sum(r.flips for r in rows),
-        error_mean=_mean([r.error for r in rows]),
-        added_error_mean=_mean([r.added_error for r in rows]),
-        iterations=len(rows),
+        error=max((r.error for r in ran if r.error is not None), default=None),
+        sqnr_db=min((r.sqnr_db for r in ran if r.sqnr_db is not None), default=None),
+        max_abs_error=max((r.max_abs_error for r in ran if r.max_abs_error is not None), default=None),
+        nonfinite=any(r.nonfinite for r in ran),
+        flips=sum(r.flips for r in ran),
+        error_mean=_mean([r.error for r in ran]),
+        added_error_mean=_mean([r.added_error for r in ran]),
+        iterations=sum(r.iterations for r in ran),
     )
 
 

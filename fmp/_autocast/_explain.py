@@ -61,10 +61,11 @@ def explain(
     culprits, ``print(report)`` starts with them and ``report.plot()``
     draws them (needs matplotlib). The reference is the
     program in the dtypes it was written in (float64 only where it says so).
-    A ``scan`` body's rows stand for all its iterations (the worst one's
-    errors, with ``error_mean`` / ``added_error_mean``); ``while``, ``cond``
-    and ``shard_map`` bodies are not compared yet (a ``NotImplementedError``
-    says so).
+    A ``scan`` or ``while`` body's rows stand for all its iterations (the worst
+    one's errors, with ``error_mean`` / ``added_error_mean``; an op that writes
+    the carry is charged the error the carry ends with); a ``cond`` is compared
+    in the branch the policy run takes. ``shard_map`` bodies and linear solves
+    are not compared yet (a ``NotImplementedError`` says so).
 
     With ``grads=True`` as well, ``report.grad_errors`` maps each gradient leaf
     of the ``argnums`` arguments (its key path, as ``jax.tree_util.keystr``
@@ -98,7 +99,7 @@ def explain(
       TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``), or a
         ``grads``, ``argnums`` or ``loss_scale`` of the wrong type.
       ValueError: ``grads=True`` without ``compare=True``, or a ``loss_scale`` that is not finite and > 0.
-      NotImplementedError: ``compare=True`` on a ``while``, ``cond`` or ``shard_map`` body, or
+      NotImplementedError: ``compare=True`` on a ``shard_map`` body or a linear solve, or
         together with ``fp8_state``.
 
     Examples:

@@ -56,9 +56,10 @@ class OpRecord:
         indices, comparisons); 0 for floating outputs.
       suggestion: Code to paste that fixes a large added error (an
         ``overrides=`` entry or a ``RuleSet.derive`` call), or ``None``.
-      error_mean, added_error_mean: Inside a ``scan`` body, the means over the
+      error_mean, added_error_mean: Inside a loop body, the means over the
         iterations (the fields above hold the worst iteration's); else ``None``.
-      iterations: How many iterations the row stands for (1 outside loops).
+      iterations: How many times the row's op ran: the iterations of the loops around it (1 outside loops);
+        under ``compare=True``, 0 for a ``cond`` branch not taken.
       underflow: A backward row with float16 outputs (``grads=True``): the fraction of the reference
         values' nonzero elements below float16's normal range at the loss scale (rounded to zero, or
         subnormal, which fmp's casts flush to zero); else ``None``.
