@@ -18,16 +18,7 @@ from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
-from jax.extend.core.primitives import (
-    closed_call_p,
-    cond_p,
-    custom_jvp_call_p,
-    custom_vjp_call_p,
-    jit_p,
-    remat_p,
-    scan_p,
-    while_p,
-)
+from jax.extend.core import primitives as core_prims
 
 from fmp._autocast import _compare_loops, _hops_calls, _jax_internals
 from fmp._autocast._cast import cast
@@ -239,14 +230,14 @@ def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
     """The rewrite's handlers with every body evaluated on values (or refused, where not yet compared)."""
     prims = _jax_internals.primitives_by_name()
     evaluated: dict[Any, Callable[..., list[Any]]] = {
-        jit_p: _jit,
-        remat_p: _remat,
-        closed_call_p: _closed_call,
-        custom_jvp_call_p: _custom,
-        custom_vjp_call_p: _custom,
-        scan_p: _compare_loops.scan,
-        while_p: _compare_loops.while_loop,
-        cond_p: _compare_loops.cond,
+        core_prims.jit_p: _jit,
+        core_prims.remat_p: _remat,
+        core_prims.closed_call_p: _closed_call,
+        core_prims.custom_jvp_call_p: _custom,
+        core_prims.custom_vjp_call_p: _custom,
+        core_prims.scan_p: _compare_loops.scan,
+        core_prims.while_p: _compare_loops.while_loop,
+        core_prims.cond_p: _compare_loops.cond,
     }
     if "call" in prims:
         evaluated[prims["call"]] = _closed_call
