@@ -23,7 +23,13 @@ from fmp._core._rules import RuleSet
 from fmp.torch._fx_casts import GRAD_LEAF, is_grad_leaf
 from fmp.torch._fx_common import Event, ambient_autocast
 from fmp.torch._fx_float8 import apply_float8, check_kernel
-from fmp.torch._fx_policy import check_overrides, float8_recipe, resolve_policy
+from fmp.torch._fx_policy import (
+    cast_outputs,
+    check_overrides,
+    float8_recipe,
+    policy_output,
+    resolve_policy,
+)
 from fmp.torch._fx_rewrite import Rewriter
 from fmp.torch._fx_trace_errors import check_meta, check_outputs, raise_trace_failure, warn_traced_moves
 
@@ -102,8 +108,11 @@ def autocast_graph(
     Args:
       graph_module: A ``torch.fx.GraphModule`` whose nodes have ``meta["val"]``.
       policy: ``(device_type, dtype)``, a device type (``"cpu"``: bfloat16,
-        ``"cuda"``: float16), an fmp ``Policy`` or spec (its compute dtype), or
-        ``None`` with the keywords.
+        ``"cuda"``: float16), an fmp ``Policy`` or spec, or ``None`` with the keywords. A
+        ``Policy``'s compute dtype is the autocast dtype and its output dtype that of every floating
+        output but float64 (``"mixed_bfloat16"``: float32), as ``fmp.torch.autocast(policy=...)``
+        gives a decorated function's; its param dtype is where you keep parameters (nothing is cast
+        to it, as on the JAX side). The torch spellings leave outputs as torch's autocast does.
       rules: The rule table; ``fmp.DEFAULT_RULES`` (torch 2.13's registry) if None.
       device_type: ``"cpu"`` or ``"cuda"`` when ``policy`` gives none.
       dtype: ``torch.bfloat16`` or ``torch.float16`` when ``policy`` gives none.
@@ -135,7 +144,10 @@ def autocast_graph(
     if not isinstance(graph_module, torch.fx.GraphModule):
         raise TypeError(f"graph_module must be a torch.fx.GraphModule, got {type(graph_module).__name__}")
     device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
-    return rewrite(graph_module, device_type, dtype, rules)
+    new = rewrite(graph_module, device_type, dtype, rules)
+    if (output := policy_output(policy)) is not None:
+        cast_outputs(new, output)
+    return new
 
 
 def trace(
@@ -300,7 +312,9 @@ def autocast_fx(
         shapes, dtypes and devices are used: tracing runs on fake tensors).
       policy: ``(device_type, dtype)``, a device type, an fmp ``Policy`` / spec
         string, or ``None`` with ``device_type=``/``dtype=``. Defaults to
-        ``("cpu", torch.bfloat16)``.
+        ``("cpu", torch.bfloat16)``. A ``Policy`` also sets the dtype of the floating outputs
+        (float64 kept) to its output dtype (``"mixed_bfloat16"``: float32), as on the JAX side;
+        its param dtype is where you keep parameters (nothing is cast to it).
       device_type: ``"cpu"`` or ``"cuda"``.
       dtype: ``torch.bfloat16`` or ``torch.float16``.
       rules: A custom ``fmp.RuleSet``; ``fmp.DEFAULT_RULES`` if None.
@@ -356,7 +370,11 @@ def autocast_fx(
     gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = bind_state(gm, module, names, codegen)
+    output = policy_output(policy)
     if recipe is not None:
         mode = _fake_mode_of(bound.graph)
         apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
-    return rewrite(bound, device_type, dtype, rules, written=written)
+    new = rewrite(bound, device_type, dtype, rules, written=written)
+    if output is not None:
+        cast_outputs(new, output)
+    return new

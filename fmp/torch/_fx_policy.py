@@ -137,3 +137,29 @@ def check_overrides(
             raise NotImplementedError(_MSG_OVERRIDES.format(key=key, value=str(value), policy=str(policy), why=why))
         opt_out.append(key)
     return tuple(opt_out), tuple(written)
+
+
+def policy_output(policy: Any) -> torch.dtype | None:
+    """The output dtype of an fmp ``Policy`` or spec (``"mixed_bfloat16"``: float32); None for the torch
+    spellings (``("cpu", torch.bfloat16)``, ``"cpu"``), which leave outputs as torch's autocast does."""
+    if isinstance(policy, Policy | str) and not (isinstance(policy, str) and policy in TORCH_DEVICES):
+        return getattr(torch, get_policy(policy).output_dtype.name)
+    return None
+
+
+def cast_outputs(gm: torch.fx.GraphModule, to: torch.dtype) -> None:
+    """Casts each floating output of ``gm`` other than float64 to ``to``, as ``fmp.torch.autocast(policy=...)``
+    does to a decorated function's outputs."""
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    single = not isinstance(out.args[0], list | tuple)
+    flat = [out.args[0]] if single else list(out.args[0])
+    for i, node in enumerate(flat):
+        now = getattr(node.meta.get("val"), "dtype", None) if isinstance(node, torch.fx.Node) else None
+        if now is None or not now.is_floating_point or now in (torch.float64, to):
+            continue
+        with gm.graph.inserting_before(out):
+            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": to})
+        cast.meta["val"] = node.meta["val"].to(to)
+        flat[i] = cast
+    out.args = (flat[0] if single else type(out.args[0])(flat), *out.args[1:])
+    gm.recompile()

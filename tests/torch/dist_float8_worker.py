@@ -67,8 +67,9 @@ def _rewrite(base: torch.nn.Module, x: torch.Tensor, policy: fmp.Policy, wrapper
 def _train(wrapper: str, scaling: str, library: str, rank: int) -> tuple[list[float], list[list[torch.Tensor]]]:
     base, x0 = _model(), _batches(rank)[0]
     if library == "fmp":
-        policy = dataclasses.replace(
-            fmp.get_policy("mixed_float8"), fp8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}", emulate=True)
+        # outputs in the compute dtype: a layer rewritten on its own hands the next one what autocast would
+        policy = fmp.Policy(
+            "float32", "bfloat16", "bfloat16", fp8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}", emulate=True)
         )
         model = _shard(_rewrite(base, x0, policy, wrapper), wrapper)
         call = model

@@ -359,21 +359,21 @@ def test_policy_only_touches_its_device():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "expected"),
+    ("kwargs", "compute", "output"),
     [
-        ({"policy": ("cpu", torch.float16)}, torch.float16),
-        ({"policy": "cpu"}, torch.bfloat16),
-        ({"policy": fmp.get_policy("mixed_float16")}, torch.float16),
-        ({"policy": "mixed_bfloat16"}, torch.bfloat16),
-        ({"device_type": "cpu", "dtype": torch.float16}, torch.float16),
-        ({"dtype": "f16"}, torch.float16),
-        ({}, torch.bfloat16),
+        ({"policy": ("cpu", torch.float16)}, torch.float16, torch.float16),
+        ({"policy": "cpu"}, torch.bfloat16, torch.bfloat16),
+        ({"policy": fmp.get_policy("mixed_float16")}, torch.float16, torch.float32),  # an fmp policy's output
+        ({"policy": "mixed_bfloat16"}, torch.bfloat16, torch.float32),
+        ({"device_type": "cpu", "dtype": torch.float16}, torch.float16, torch.float16),
+        ({"dtype": "f16"}, torch.float16, torch.float16),
+        ({}, torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_policy_spellings(kwargs, expected):
+def test_policy_spellings(kwargs, compute, output):
     a = torch.randn(2, 2)
     gm = fmp.torch.autocast_fx(lambda x: x @ x, (a,), **kwargs)
-    assert gm(a).dtype == expected
+    assert _node_dtypes(gm, torch.ops.aten.matmul.default) == [compute] and gm(a).dtype == output
 
 
 @pytest.mark.parametrize(

@@ -83,10 +83,13 @@ def test_rowwise_gradient_format_is_the_documented_difference_from_torchao_rowwi
     assert not torch.equal(grads[0], ref_grads[0])
 
 
-@pytest.mark.parametrize("recipe", [
-    fmp.Float8Recipe("rowwise", output="float32", grad_dtype="float8_e4m3fn"),
-    fmp.Float8Recipe.from_peer("torchao_rowwise", output="float32"),
-])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        fmp.Float8Recipe("rowwise", output="float32", grad_dtype="float8_e4m3fn"),
+        fmp.Float8Recipe.from_peer("torchao_rowwise", output="float32"),
+    ],
+)
 def test_e4m3_gradients_equal_torchao_named_rowwise_recipe(recipe):
     """With ``grad_dtype="float8_e4m3fn"`` (what ``from_peer("torchao_rowwise")`` sets), fmp's rowwise equals
     torchao's named rowwise recipe bit for bit, gradients included."""
@@ -117,7 +120,7 @@ def test_compute_output_is_the_float32_result_rounded_to_bfloat16():
     x = torch.randn(4, 16)
     out = fmp.torch.autocast_fx(lin, (x,), "mixed_float8", float8_matmul="emulated")(x)  # tensorwise, pow2
     ref = _torchao(lin, "tensorwise", round_scales_to_power_of_2=True)(x)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, ref.to(torch.bfloat16))
+    assert out.dtype == torch.float32 and torch.equal(out, ref.to(torch.bfloat16).float())  # policy output: f32
 
 
 def test_only_matmuls_against_a_parameter_run_in_float8():
@@ -137,7 +140,7 @@ def test_only_matmuls_against_a_parameter_run_in_float8():
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert sum(getattr(t, "__name__", "") == "float8_linear" for t in targets) == 1
     assert torch.ops.aten.matmul.default in targets
-    assert gm(x).dtype == torch.bfloat16
+    assert gm(x).dtype == torch.float32  # the policy's output dtype
 
 
 @pytest.mark.parametrize("scaling", ["blockwise", "delayed", "mx"])
@@ -202,7 +205,7 @@ def test_overrides_opt_a_module_out_of_float8_by_its_path():
     model, x = _mlp(), torch.randn(4, 16)
     gm = fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"2": "mixed_bfloat16"})
     assert _float8_calls(gm) == 1
-    hidden = torch.relu(fmp.torch.autocast_fx(model[0], (x,), "mixed_float8")(x))
+    hidden = torch.relu(fmp.torch.autocast_fx(model[0], (x,), "mixed_float8")(x)).bfloat16()  # output f32
     ref = torch.nn.functional.linear(hidden, model[2].weight.bfloat16(), model[2].bias.bfloat16())
     assert torch.equal(gm(x), ref)  # the opted-out layer is the plain bfloat16 linear
 

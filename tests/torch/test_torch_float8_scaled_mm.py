@@ -39,7 +39,7 @@ def _torchao(model: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 def _fmp(model: torch.nn.Module, x: torch.Tensor, recipe: fmp.Float8Recipe, **kw) -> torch.fx.GraphModule:
-    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=recipe)
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=recipe, **kw.pop("policy", {}))
     return fmp.torch.autocast_fx(copy.deepcopy(model), (x,), policy, **kw)
 
 
@@ -186,7 +186,7 @@ def test_compute_dtype_results_and_gradients_equal_torchao_scaled_mm_under_cpu_a
     output gradient's bfloat16 (backward), as torchao's run under ``torch.autocast("cpu", bfloat16)``."""
     x = (torch.randn(2, 8, 16) * 3).requires_grad_()
     recipe = fmp.Float8Recipe.from_peer(f"torchao_{scaling}")
-    ours = _fmp(_mlp(), x, recipe)
+    ours = _fmp(_mlp(), x, recipe, policy={"output_dtype": fmp.get_policy("bf16").compute_dtype})  # as autocast
     assert _kernels(ours) == ["scaled_mm"] * 2
     ref = _torchao(_mlp(), scaling)
     results = []
