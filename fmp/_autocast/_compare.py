@@ -195,7 +195,7 @@ def _round_as(ref: Any, val: Any, back: bool = True) -> Any:
 
 
 def _evaluated(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    return eval_jaxpr(closed.jaxpr, closed.consts, invals, ctx, scope)
+    return eval_jaxpr(closed.jaxpr, closed.consts, _compare_loops.as_body_inputs(invals), ctx, scope)
 
 
 def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

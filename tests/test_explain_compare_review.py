@@ -1,0 +1,76 @@
+"""fmp.explain(compare=True) on loop and branch shapes real code has: the same rows as without compare, the
+loop run as the rewrite runs it, and no fix suggested for an op that already runs in float32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fmp
+
+K = jax.random.split(jax.random.key(7), 4)
+X = jax.random.normal(K[0], (16, 32))
+W = jax.random.normal(K[1], (32, 32)) / 6
+
+
+def _rows(rep):
+    return [(r.op, r.category, r.in_after, r.out_after) for r in rep.records]
+
+
+def test_switch_rows_match_explain_without_compare():
+    # the branches disagree on the output dtype (sin stays bfloat16, exp runs in float32): the rewrite pins
+    # the output in every branch, one cast row each, whichever branch runs
+    def f(i, x):
+        return jax.lax.switch(i, [lambda x: jnp.sin(x @ W), lambda x: jnp.exp(x @ W), lambda x: x @ W + x], x)
+
+    for i in range(3):
+        rep = fmp.explain(f, compare=True)(jnp.int32(i), X)
+        assert _rows(rep) == _rows(fmp.explain(f)(jnp.int32(i), X))
+        (taken,) = {r.index for r in rep.records if r.op == "dot_general" and r.iterations == 1}
+        assert taken == [r.index for r in rep.records if r.op == "dot_general"][i]
+
+
+def test_scan_with_a_cond_whose_branch_changes_between_iterations():
+    def f(x):
+        def body(h, xi):
+            h = jax.lax.cond(xi.sum() > 0, lambda h: jnp.sin(h @ W), lambda h: h * 0.5, h)
+            return h + xi, h.sum()
+
+        return jax.lax.scan(body, jnp.zeros(32), x)
+
+    rep = fmp.explain(f, compare=True)(X)
+    assert _rows(rep) == _rows(fmp.explain(f)(X))
+    taken = int(jnp.sum(X.sum(1) > 0))
+    assert 0 < taken < 16
+    runs = {r.op: r.iterations for r in rep.records if r.op in ("sin", "mul")}
+    assert runs == {"sin": taken, "mul": 16 - taken}
+
+
+def test_a_loop_literal_carry_is_run_as_the_rewrite_runs_it():
+    # the loop's initial 0.0 is a literal of the program: the rewrite traces the body with it as a float32
+    # carry, so the add runs in float32 in every iteration, the first one included
+    m, n = jax.random.uniform(K[2], (32, 64)) * 0.03, jax.random.uniform(K[3], (64, 32)) * 0.03
+
+    def f(m, n):
+        body = lambda c: (c[0] + (m @ n)[0, 0], c[1] + 1)  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[1] < 50, body, (0.0, 0))
+
+    rep = fmp.explain(f, compare=True)(m, n)
+    assert _rows(rep) == _rows(fmp.explain(f)(m, n))
+    (add,) = [r for r in rep.records if r.op == "add" and r.in_after]
+    assert add.in_after == ("float32", "float32") and add.iterations == 50
+    got, want = np.float64(fmp.autocast(f)(m, n)[0]), np.float64(f(m, n)[0])
+    assert add.error == pytest.approx(abs(got - want) / want, rel=1e-3)
+
+
+def test_a_float32_carry_writer_is_not_charged_the_loop_error():
+    # the carry's error comes from the bfloat16 matmul; the tanh writing it runs in float32 already, so
+    # moving it to float32 fixes nothing: no suggestion, no charge
+    def f(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ W + x[i % 16]), jnp.zeros(32))
+
+    rep = fmp.explain(f, compare=True)(X, jnp.int32(10))
+    (tanh,) = [r for r in rep.records if r.op == "tanh"]
+    assert tanh.out_after == ("float32",)
+    assert tanh.suggestion is None and "compounded" not in tanh.detail
+    assert tanh.added_error < 2**-8
