@@ -74,3 +74,15 @@ def test_a_float32_carry_writer_is_not_charged_the_loop_error():
     assert tanh.out_after == ("float32",)
     assert tanh.suggestion is None and "compounded" not in tanh.detail
     assert tanh.added_error < 2**-8
+
+
+def test_a_while_loop_that_never_runs_lists_its_body():
+    # a fori_loop with traced bounds and no iterations: the body's rows are listed (iterations 0), as
+    # explain without compare lists them
+    def f(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ W + x[i % 16]), jnp.zeros(32))
+
+    rep = fmp.explain(f, compare=True)(X, jnp.int32(0))
+    assert _rows(rep) == _rows(fmp.explain(f)(X, jnp.int32(0)))
+    (mm,) = [r for r in rep.records if r.op == "dot_general"]
+    assert mm.iterations == 0 and mm.error is None and mm.suggestion is None

@@ -124,6 +124,10 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         r_more = bool(jaxpr_as_fun(cond)(*r_cconsts, *r_carry)[0])
     _finish(ctx, blocks, writers, carry, r_carry, inputs_error)
     start = blocks[0][0] if blocks else len(records)
+    if not blocks:  # the body never ran in both: its rows are listed, not run (``iterations`` 0)
+        listed = dataclasses.replace(ctx, compare=None, handlers=cmp.rewrite_handlers)
+        transform_closed(body, before + carry_avals, listed, scope)
+        records[start:] = [dataclasses.replace(r, iterations=0) for r in records[start:]]
     _merge(tests, test_blocks)
     records.extend(dataclasses.replace(r, index=len(records) + k) for k, r in enumerate(tests))
     if n != r_n:
