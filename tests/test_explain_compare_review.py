@@ -86,3 +86,27 @@ def test_a_while_loop_that_never_runs_lists_its_body():
     assert _rows(rep) == _rows(fmp.explain(f)(X, jnp.int32(0)))
     (mm,) = [r for r in rep.records if r.op == "dot_general"]
     assert mm.iterations == 0 and mm.error is None and mm.suggestion is None
+
+
+@pytest.mark.parametrize("loop", ["scan", "while", "none"])
+def test_an_op_in_a_loop_that_magnifies_its_inputs_names_their_maker_in_every_iteration(loop):
+    # angles rounded to bfloat16 by a matmul outside the loop, their cos taken one chunk per iteration: the
+    # worst chunk (the largest angles, the last iteration) names the matmul, and moving it fixes the cos
+    pos = jnp.arange(2048.0).reshape(8, 256, 1) * jnp.ones((1, 1, 64)) / 64
+    freq = jnp.eye(64)[:, :32] * 2.0
+
+    def f(pos, freq, n):
+        ang = pos @ freq
+        if loop == "scan":
+            return jax.lax.scan(lambda c, a: (c + jnp.cos(a).sum(), None), jnp.float32(0.0), ang)[0]
+        if loop == "while":
+            return jax.lax.fori_loop(0, n, lambda i, c: c + jnp.cos(ang[i]).sum(), jnp.float32(0.0))
+        return jnp.cos(ang[7]).sum()  # a slice only moves the rounded angles: the matmul rounded them
+
+    n = jnp.int32(8)
+    rep = fmp.explain(f, compare=True)(pos, freq, n)
+    (cos,) = [r for r in rep.records if r.op == "cos"]
+    assert cos.iterations == (1 if loop == "none" else 8) and cos.error > 16 * cos.added_error
+    assert cos.suggestion == 'rules=fmp.DEFAULT_RULES.derive(float32=["dot_general"])'
+    fixed = fmp.explain(f, compare=True, rules=fmp.DEFAULT_RULES.derive(float32=["dot_general"]))(pos, freq, n)
+    assert [r.error for r in fixed.records if r.op == "cos"] == [0.0]

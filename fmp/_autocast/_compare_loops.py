@@ -41,13 +41,16 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     carry = _pin(carry, carry_avals, ctx)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
-    writers: list[int | None] = []
+    made, origins = list(cmp.pending_rows), list(cmp.pending_origins)  # the rows that made the scan's inputs
+    writers: list[int | None] = made[nc : nc + nk]
     blocks: list[tuple[int, int]] = []
     ys: list[list[Any]] = []
     r_ys: list[list[Any]] = []
     for t in reversed(range(n)) if p["reverse"] else range(n):
         mark = len(records)
         cmp.pending = [*r_consts, *r_carry, *(x[t] for x in r_xs)]
+        cmp.pending_rows = [*made[:nc], *writers, *made[nc + nk :]]  # the carry: made by the last iteration
+        cmp.pending_origins = [*origins[:nc], *[None] * nk, *origins[nc + nk :]]
         outs = eval_jaxpr(closed.jaxpr, closed.consts, [*consts, *carry, *(x[t] for x in xs)], ctx, scope)
         carry = _pin(outs[:nk], carry_avals, ctx)
         r_carry = cmp.returned[:nk]
@@ -61,7 +64,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     _finish(ctx, blocks, writers, carry, r_carry, inputs_error)
     stacked = [jnp.stack(c) for c in zip(*ys, strict=True)]
     cmp.returned = [*r_carry, *(jnp.stack(c) for c in zip(*r_ys, strict=True))]
-    cmp.returned_rows = [None] * (nk + len(stacked))
+    cmp.returned_rows, cmp.returned_origins = [None] * (nk + len(stacked)), []
     return [*carry, *stacked]
 
 
@@ -86,6 +89,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, quiet, scope)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
+    made, origins = list(cmp.pending_rows), list(cmp.pending_origins)  # the rows that made the loop's inputs
     tests: list[OpRecord] = []  # the condition's rows, every evaluation (they follow the body's rows)
     test_blocks: list[tuple[int, int]] = []
 
@@ -93,7 +97,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         cmp.flush()  # the statistics started so far belong to the rows in ``records``
         saved, ctx.records = ctx.records, []
         try:
-            cmp.pending, cmp.pending_rows = [*r_cconsts, *r_carry], []
+            cmp.pending, cmp.pending_rows = [*r_cconsts, *r_carry], []  # its rows are kept apart: no makers
             pred = eval_jaxpr(cond.jaxpr, cond.consts, [*cconsts, *carry], ctx, scope)[0]
             r_pred = cmp.returned[0]
             cmp.flush()
@@ -104,13 +108,14 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         tests.extend(got)
         return bool(pred), bool(r_pred)
 
-    writers: list[int | None] = []
+    writers: list[int | None] = made[nc + nb :]
     blocks: list[tuple[int, int]] = []
     more, r_more = test()
     n = r_n = 0
     while more and r_more:
         mark = len(records)
-        cmp.pending, cmp.pending_rows = [*r_bconsts, *r_carry], []
+        cmp.pending, cmp.pending_rows = [*r_bconsts, *r_carry], [*made[nc : nc + nb], *writers]
+        cmp.pending_origins = origins[nc : nc + nb]
         carry = _pin(eval_jaxpr(body.jaxpr, body.consts, [*bconsts, *carry], ctx, scope), carry_avals, ctx)
         r_carry, writers = cmp.returned, list(cmp.returned_rows)
         blocks.append((mark, len(records)))
@@ -134,7 +139,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         detail = f"the loop ran {n} iterations under the policy, {r_n} as written"
         for i in range(start, len(records)):
             records[i] = dataclasses.replace(records[i], detail=_join(records[i].detail, detail))
-    cmp.returned, cmp.returned_rows = list(r_carry), [None] * len(carry)
+    cmp.returned, cmp.returned_rows, cmp.returned_origins = list(r_carry), [None] * len(carry), []
     return carry
 
 
@@ -148,7 +153,7 @@ def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     cmp = ctx.compare
     branches = eqn.params["branches"]
     invals = [invals[0], *as_body_inputs(invals[1:])]
-    ref, made = cmp.pending, cmp.pending_rows[1:]
+    ref, made, origins = cmp.pending, cmp.pending_rows[1:], cmp.pending_origins[1:]
     last = len(branches) - 1
     i, r_i = (min(max(int(x), 0), last) for x in (invals[0], ref[0]))
     listed = dataclasses.replace(ctx, compare=None, handlers=cmp.rewrite_handlers)
@@ -161,15 +166,16 @@ def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
             new.append(transform_closed(branch, like_avals(branch.in_avals, invals[1:]), listed, scope))
             records[mark:] = [dataclasses.replace(r, iterations=0) for r in records[mark:]]
             continue
-        cmp.pending, cmp.pending_rows = list(ref[1:]), made
+        cmp.pending, cmp.pending_rows, cmp.pending_origins = list(ref[1:]), made, origins
         outs = eval_jaxpr(branch.jaxpr, branch.consts, list(invals[1:]), ctx, scope)
         new.append(None)
-        returned, returned_rows = cmp.returned, cmp.returned_rows
+        returned, returned_rows, returned_origins = cmp.returned, cmp.returned_rows, cmp.returned_origins
         if r_i != i:
             detail = f"branch {i} under the policy, {r_i} as written"
             records[mark:] = [dataclasses.replace(r, detail=_join(r.detail, detail)) for r in records[mark:]]
             returned, returned_rows = list(jaxpr_as_fun(branches[r_i])(*ref[1:])), [None] * len(outs)
-    cmp.returned, cmp.returned_rows = returned, returned_rows
+            returned_origins = []
+    cmp.returned, cmp.returned_rows, cmp.returned_origins = returned, returned_rows, returned_origins
     # where the branches disagree on an output's dtype, the rewrite pins it to the program's in every branch
     # (one cast row per branch that differs, after all branches): the same rows here, the others' not run
     got = [tuple(getattr(a, "dtype", None) for a in (b.out_avals if b else outs)) for b in new]
