@@ -110,3 +110,26 @@ def test_an_op_in_a_loop_that_magnifies_its_inputs_names_their_maker_in_every_it
     assert cos.suggestion == 'rules=fmp.DEFAULT_RULES.derive(float32=["dot_general"])'
     fixed = fmp.explain(f, compare=True, rules=fmp.DEFAULT_RULES.derive(float32=["dot_general"]))(pos, freq, n)
     assert [r.error for r in fixed.records if r.op == "cos"] == [0.0]
+
+
+def test_torch_a_slice_of_rounded_angles_is_looked_through_to_the_matmul():
+    # the angles are rounded by the matmul in module "0"; module "1" slices them and takes their cos: the
+    # fix is module "0" in float32 (module "1" in float32 would slice and cos the same rounded angles)
+    torch = pytest.importorskip("torch")
+    import fmp.torch
+
+    class Angles(torch.nn.Module):
+        def forward(self, x):
+            pos = torch.arange(x.shape[0], dtype=torch.float32)
+            return pos[:, None] @ (1.0 / (10000.0 ** (torch.arange(32).float() / 32)))[None, :]
+
+    class Use(torch.nn.Module):
+        def forward(self, a):
+            return a[:, :16].cos().sum(0)
+
+    model, x = torch.nn.Sequential(Angles(), Use()), torch.randn(2048, 32)
+    rep = fmp.torch.explain_fx(model, (x,), ("cpu", torch.bfloat16), compare=True)
+    top = rep.worst(1)[0]
+    assert top.op == "aten::cos" and top.suggestion == 'overrides={"0": "float32"}'
+    fixed = fmp.torch.explain_fx(model, (x,), ("cpu", torch.bfloat16), compare=True, overrides={"0": "float32"})
+    assert [r.error for r in fixed.records if r.op == "aten::cos"][0] < 1e-6
