@@ -13,6 +13,7 @@ with a clear error.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,10 +52,14 @@ class Comparison:
         self.envs: list[dict[Any, Any]] = []
         self.last: list[dict[int, list[Any]]] = []  # per jaxpr: id(equation) -> variables it reads last
         self.rows: dict[Any, int] = {}  # variable -> index of the explain row of the equation that made it
+        # variable made by an op that only moves values (a slice of rotary angles) -> the rows that computed them
+        self.origins: dict[Any, list[int]] = {}
         self.pending: list[Any] | None = list(args)  # reference inputs of the next jaxpr entered
         self.pending_rows: list[int | None] = []  # and the rows that made them
+        self.pending_origins: list[list[int] | None] = []  # and ``origins`` of them
         self.returned: list[Any] | None = None  # reference outputs of the last jaxpr left
         self.returned_rows: list[int | None] = []  # and the rows that made them
+        self.returned_origins: list[list[int] | None] = []  # and ``origins`` of them
         # rows whose statistics are still on their way: (row, output stats, added-error stats, producer rows)
         self.jobs: list[tuple[int, Deferred, Deferred, list[int]]] = []
         self.held = 0  # bytes their statistics hold until they are resolved
@@ -65,12 +70,15 @@ class Comparison:
         env = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, self.pending, strict=True))
         made = dict(zip(jaxpr.invars, self.pending_rows, strict=False))
-        for v in jaxpr.invars:  # a body runs again (a loop): a row of its last run is no maker now
+        for v, o in itertools.zip_longest(jaxpr.invars, self.pending_origins[: len(jaxpr.invars)]):
+            self.origins.pop(v, None)  # a body runs again (a loop): a row of its last run is no maker now
+            if o and made.get(v) is not None:
+                self.origins[v] = o
             if made.get(v) is None:
                 self.rows.pop(v, None)
             else:
                 self.rows[v] = made[v]
-        self.pending, self.pending_rows = None, []
+        self.pending, self.pending_rows, self.pending_origins = None, [], []
         self.envs.append(env)
         self.last.append(_last_uses(jaxpr))
 
@@ -79,6 +87,7 @@ class Comparison:
         self.last.pop()
         self.returned = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
         self.returned_rows = [self.rows.get(v) for v in jaxpr.outvars]
+        self.returned_origins = [self.origins.get(v) for v in jaxpr.outvars]
 
     def step(self, eqn: JaxprEqn, invals: list[Any], scope: str) -> list[Any]:
         """Runs ``eqn`` under the policy and as written; returns the policy outputs."""
@@ -89,6 +98,7 @@ class Comparison:
         mark = len(records)
         self.pending, self.returned = ref_in, None
         self.pending_rows = [None if isinstance(v, Literal) else self.rows.get(v) for v in eqn.invars]
+        self.pending_origins = [None if isinstance(v, Literal) else self.origins.get(v) for v in eqn.invars]
         outs = rewrite_eqn(eqn, invals, ctx, scope)
         nested = eqn.primitive in ctx.handlers and self.returned is not None
         ref_out = self.returned if nested else bind(eqn, ref_in, eqn.params)
@@ -98,14 +108,19 @@ class Comparison:
             env.pop(v, None)  # a reference value no later equation reads (streaming: its memory is freed)
         for v in eqn.outvars:
             self.rows.pop(v, None)  # set again below where a row made it
+            self.origins.pop(v, None)
         if nested:
             self.rows.update((v, i) for v, i in zip(eqn.outvars, self.returned_rows, strict=True) if i is not None)
+            self.origins.update((v, o) for v, o in zip(eqn.outvars, self.returned_origins, strict=False) if o)
+        self.returned_origins = []
         rows = [i for i in range(mark, len(records)) if records[i].category != "cast"]
         if len(rows) == 1 and records[rows[0]].op == eqn.primitive.name and not nested:
-            made = [self.rows[v] for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
+            read = [v for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
+            made = [k for v in read for k in self.origins.get(v, [self.rows[v]])]
             casts = [r for r in records[mark:] if r.category == "cast"]
             down = any(set(r.out_after) & set(LOW) for r in casts)
-            if not casts and (_moves_values(eqn, records[rows[0]]) or _as_written(records[rows[0]])):
+            moves = not casts and _moves_values(eqn, records[rows[0]])
+            if moves or (not casts and _as_written(records[rows[0]])):
                 added = Deferred.exact(outs)  # on the reference inputs the op computes the reference output
             else:
                 alone, baseline = self._alone(eqn, invals, ref_in, scope)
@@ -115,6 +130,8 @@ class Comparison:
             if self.held > _HOLD:
                 self.flush()
             self.rows.update((v, rows[0]) for v in eqn.outvars)
+            if moves and made:  # the values it moves were computed (and rounded) by its inputs' makers
+                self.origins.update((v, made) for v in eqn.outvars)
         return outs
 
     def _alone(self, eqn: JaxprEqn, invals: list[Any], ref_in: list[Any], scope: str) -> tuple[list[Any], Any]:
@@ -195,7 +212,7 @@ def _round_as(ref: Any, val: Any, back: bool = True) -> Any:
 
 
 def _evaluated(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    return eval_jaxpr(closed.jaxpr, closed.consts, invals, ctx, scope)
+    return eval_jaxpr(closed.jaxpr, closed.consts, _compare_loops.as_body_inputs(invals), ctx, scope)
 
 
 def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

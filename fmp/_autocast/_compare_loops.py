@@ -13,17 +13,15 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 
 from fmp._autocast._cast import cast
 from fmp._autocast._compare_stats import output_stats, suggestion
-from fmp._autocast._context import Context, aval_of, is_castable, like_avals
-from fmp._autocast._hops import _cond as _hops_cond
-from fmp._autocast._hops import _loop_body
+from fmp._autocast._context import Context, aval_of, is_castable, is_constant, like_avals
+from fmp._autocast._hops import _loop_body, _pin_outputs
 from fmp._autocast._interp import eval_jaxpr, transform_closed
-from fmp._core._report import OpRecord
+from fmp._core._report import LOW, OpRecord
 
 
 def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
@@ -32,7 +30,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     p = eqn.params
     closed: ClosedJaxpr = p["jaxpr"]
     nc, nk, n = p["num_consts"], p["num_carry"], p["length"]
-    consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+    consts, carry, xs = as_body_inputs(invals[:nc]), invals[nc : nc + nk], as_body_inputs(invals[nc + nk :])
     if not n:
         raise NotImplementedError("fmp.explain(compare=True): a scan of length 0 has nothing to compare")
     ref = cmp.pending
@@ -43,13 +41,16 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     carry = _pin(carry, carry_avals, ctx)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
-    writers: list[int | None] = []
+    made, origins = list(cmp.pending_rows), list(cmp.pending_origins)  # the rows that made the scan's inputs
+    writers: list[int | None] = made[nc : nc + nk]
     blocks: list[tuple[int, int]] = []
     ys: list[list[Any]] = []
     r_ys: list[list[Any]] = []
     for t in reversed(range(n)) if p["reverse"] else range(n):
         mark = len(records)
         cmp.pending = [*r_consts, *r_carry, *(x[t] for x in r_xs)]
+        cmp.pending_rows = [*made[:nc], *writers, *made[nc + nk :]]  # the carry: made by the last iteration
+        cmp.pending_origins = [*origins[:nc], *[None] * nk, *origins[nc + nk :]]
         outs = eval_jaxpr(closed.jaxpr, closed.consts, [*consts, *carry, *(x[t] for x in xs)], ctx, scope)
         carry = _pin(outs[:nk], carry_avals, ctx)
         r_carry = cmp.returned[:nk]
@@ -63,7 +64,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     _finish(ctx, blocks, writers, carry, r_carry, inputs_error)
     stacked = [jnp.stack(c) for c in zip(*ys, strict=True)]
     cmp.returned = [*r_carry, *(jnp.stack(c) for c in zip(*r_ys, strict=True))]
-    cmp.returned_rows = [None] * (nk + len(stacked))
+    cmp.returned_rows, cmp.returned_origins = [None] * (nk + len(stacked)), []
     return [*carry, *stacked]
 
 
@@ -78,7 +79,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     p = eqn.params
     cond, body = p["cond_jaxpr"], p["body_jaxpr"]
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+    cconsts, bconsts, carry = as_body_inputs(invals[:nc]), as_body_inputs(invals[nc : nc + nb]), invals[nc + nb :]
     ref = cmp.pending
     r_cconsts, r_bconsts, r_carry = ref[:nc], ref[nc : nc + nb], ref[nc + nb :]
     quiet = dataclasses.replace(ctx, records=None, compare=None, handlers=cmp.rewrite_handlers)
@@ -88,6 +89,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, quiet, scope)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
+    made, origins = list(cmp.pending_rows), list(cmp.pending_origins)  # the rows that made the loop's inputs
     tests: list[OpRecord] = []  # the condition's rows, every evaluation (they follow the body's rows)
     test_blocks: list[tuple[int, int]] = []
 
@@ -95,7 +97,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         cmp.flush()  # the statistics started so far belong to the rows in ``records``
         saved, ctx.records = ctx.records, []
         try:
-            cmp.pending, cmp.pending_rows = [*r_cconsts, *r_carry], []
+            cmp.pending, cmp.pending_rows = [*r_cconsts, *r_carry], []  # its rows are kept apart: no makers
             pred = eval_jaxpr(cond.jaxpr, cond.consts, [*cconsts, *carry], ctx, scope)[0]
             r_pred = cmp.returned[0]
             cmp.flush()
@@ -106,13 +108,14 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         tests.extend(got)
         return bool(pred), bool(r_pred)
 
-    writers: list[int | None] = []
+    writers: list[int | None] = made[nc + nb :]
     blocks: list[tuple[int, int]] = []
     more, r_more = test()
     n = r_n = 0
     while more and r_more:
         mark = len(records)
-        cmp.pending, cmp.pending_rows = [*r_bconsts, *r_carry], []
+        cmp.pending, cmp.pending_rows = [*r_bconsts, *r_carry], [*made[nc : nc + nb], *writers]
+        cmp.pending_origins = origins[nc : nc + nb]
         carry = _pin(eval_jaxpr(body.jaxpr, body.consts, [*bconsts, *carry], ctx, scope), carry_avals, ctx)
         r_carry, writers = cmp.returned, list(cmp.returned_rows)
         blocks.append((mark, len(records)))
@@ -126,13 +129,17 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         r_more = bool(jaxpr_as_fun(cond)(*r_cconsts, *r_carry)[0])
     _finish(ctx, blocks, writers, carry, r_carry, inputs_error)
     start = blocks[0][0] if blocks else len(records)
+    if not blocks:  # the body never ran in both: its rows are listed, not run (``iterations`` 0)
+        listed = dataclasses.replace(ctx, compare=None, handlers=cmp.rewrite_handlers)
+        transform_closed(body, before + carry_avals, listed, scope)
+        records[start:] = [dataclasses.replace(r, iterations=0) for r in records[start:]]
     _merge(tests, test_blocks)
     records.extend(dataclasses.replace(r, index=len(records) + k) for k, r in enumerate(tests))
     if n != r_n:
         detail = f"the loop ran {n} iterations under the policy, {r_n} as written"
         for i in range(start, len(records)):
             records[i] = dataclasses.replace(records[i], detail=_join(records[i].detail, detail))
-    cmp.returned, cmp.returned_rows = list(r_carry), [None] * len(carry)
+    cmp.returned, cmp.returned_rows, cmp.returned_origins = list(r_carry), [None] * len(carry), []
     return carry
 
 
@@ -145,29 +152,44 @@ def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     """
     cmp = ctx.compare
     branches = eqn.params["branches"]
-    ref, made = cmp.pending, cmp.pending_rows[1:]
+    invals = [invals[0], *as_body_inputs(invals[1:])]
+    ref, made, origins = cmp.pending, cmp.pending_rows[1:], cmp.pending_origins[1:]
     last = len(branches) - 1
     i, r_i = (min(max(int(x), 0), last) for x in (invals[0], ref[0]))
-    quiet = dataclasses.replace(ctx, records=None, compare=None, handlers=cmp.rewrite_handlers)
-    dtypes = [a.dtype for a in jax.eval_shape(lambda *a: _hops_cond(eqn, list(a), quiet, scope), *invals)]
     listed = dataclasses.replace(ctx, compare=None, handlers=cmp.rewrite_handlers)
     records = ctx.records if ctx.records is not None else []
     outs: list[Any] = []
+    new: list[Any] = []  # each branch rewritten (None: the branch run here)
     for k, branch in enumerate(branches):
         mark = len(records)
         if k != i:
-            transform_closed(branch, like_avals(branch.in_avals, invals[1:]), listed, scope)
+            new.append(transform_closed(branch, like_avals(branch.in_avals, invals[1:]), listed, scope))
             records[mark:] = [dataclasses.replace(r, iterations=0) for r in records[mark:]]
             continue
-        cmp.pending, cmp.pending_rows = list(ref[1:]), made
+        cmp.pending, cmp.pending_rows, cmp.pending_origins = list(ref[1:]), made, origins
         outs = eval_jaxpr(branch.jaxpr, branch.consts, list(invals[1:]), ctx, scope)
-        returned, returned_rows = cmp.returned, cmp.returned_rows
+        new.append(None)
+        returned, returned_rows, returned_origins = cmp.returned, cmp.returned_rows, cmp.returned_origins
         if r_i != i:
             detail = f"branch {i} under the policy, {r_i} as written"
             records[mark:] = [dataclasses.replace(r, detail=_join(r.detail, detail)) for r in records[mark:]]
             returned, returned_rows = list(jaxpr_as_fun(branches[r_i])(*ref[1:])), [None] * len(outs)
-    cmp.returned, cmp.returned_rows = returned, returned_rows
-    return [cast(x, d, ctx) if _is_float(x) else x for x, d in zip(outs, dtypes, strict=True)]
+            returned_origins = []
+    cmp.returned, cmp.returned_rows, cmp.returned_origins = returned, returned_rows, returned_origins
+    # where the branches disagree on an output's dtype, the rewrite pins it to the program's in every branch
+    # (one cast row per branch that differs, after all branches): the same rows here, the others' not run
+    got = [tuple(getattr(a, "dtype", None) for a in (b.out_avals if b else outs)) for b in new]
+    pinned = [None if len({o[j] for o in got}) == 1 else v.aval.dtype for j, v in enumerate(eqn.outvars)]
+    if not any(d is not None for d in pinned):
+        return outs
+    for b in new:
+        mark = len(records)
+        if b is None:
+            outs = [x if d is None else cast(x, d, ctx) for x, d in zip(outs, pinned, strict=True)]
+        else:
+            _pin_outputs(b, pinned, listed)
+            records[mark:] = [dataclasses.replace(r, iterations=0) for r in records[mark:]]
+    return outs
 
 
 def _is_float(x: Any) -> bool:
@@ -202,12 +224,15 @@ def _charge_carry(
 ) -> None:
     """Charges each op that writes a carried value with the error that value ends the loop with, where the
     loop compounded it: more than twice the loop's inputs' error and more than the op's own per-iteration
-    error (a sum carried in bfloat16 loses its addends once it is large, one rounding at a time)."""
+    error (a sum carried in bfloat16 loses its addends once it is large, one rounding at a time). Only an
+    op that rounds the carry to a low-precision dtype is charged: running it in float32 is the fix."""
     for i, c, r in zip(at, carry, r_carry, strict=True):
         err = output_stats([c], [r])[0]
         if i is None or err is None or records[i].added_error is None:
             continue
         row = records[i]
+        if not any(n in LOW for n in row.out_after):
+            continue  # the op does not round the carry: its error is made upstream, where those rows show it
         if err > max(row.added_error, 2.0 * inputs_error):
             row = dataclasses.replace(row, added_error=err, detail=_join(row.detail, "compounded through the carry"))
             records[i] = dataclasses.replace(row, suggestion=suggestion(row, ctx.rules) or row.suggestion)
@@ -218,7 +243,15 @@ def _join(a: str, b: str) -> str:
 
 
 def _pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:
+    vals = as_body_inputs(vals)
     return [cast(x, a.dtype, ctx) if hasattr(a, "dtype") else x for x, a in zip(vals, avals, strict=True)]
+
+
+def as_body_inputs(vals: list[Any]) -> list[Any]:
+    """``vals`` as a body's inputs: a literal of the program passed in (a loop's initial ``0.0``) becomes an
+    array, as the rewrite sees it (a traced input, not a source literal that follows the other operand's
+    dtype)."""
+    return [jnp.asarray(x) if is_constant(x) else x for x in vals]
 
 
 def _merge(records: list[OpRecord], blocks: list[tuple[int, int]]) -> None:

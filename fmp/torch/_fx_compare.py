@@ -233,7 +233,8 @@ def _low_producers(
     b: torch.fx.Node, env: dict[torch.fx.Node, Any], row_of: dict[torch.fx.Node, int], rows: list[OpRecord]
 ) -> list[OpRecord]:
     """The nearest rows upstream of ``b`` whose outputs are low precision (through float32 ops such as a
-    softmax between a router's bfloat16 logits and its ``topk``): where a discrete output's flips start."""
+    softmax between a router's bfloat16 logits and its ``topk``, and through ops that round nothing, such as
+    a slice of rotary angles): where a discrete output's flips start."""
     found: dict[int, OpRecord] = {}
     seen: set[torch.fx.Node] = set()
     frontier = list(b.all_input_nodes)
@@ -246,12 +247,18 @@ def _low_producers(
             i = row_of.get(env.get(a)) if isinstance(env.get(a), torch.fx.Node) else None
             if i is not None and rows[i].flips:
                 return []  # flips inherited from a discrete op upstream: fixed where that one's start
-            if i is not None and any(n in LOW for n in rows[i].out_after):
+            if i is not None and any(n in LOW for n in rows[i].out_after) and not _passes_on(rows[i]):
                 found[i] = rows[i]
             else:
                 upstream += a.all_input_nodes
         frontier = upstream
     return [found[i] for i in sorted(found)]
+
+
+def _passes_on(row: OpRecord) -> bool:
+    """The op rounded nothing: it moved (sliced, viewed) or exactly computed values already in its dtypes, so
+    whatever rounded them lies upstream."""
+    return row.added_error == 0.0 and set(row.out_after) <= set(row.in_after)
 
 
 def _attach(row: OpRecord, out: Any, ref: Any, alone: Any, baseline: Any, rules: RuleSet) -> OpRecord:
