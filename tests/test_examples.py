@@ -110,6 +110,7 @@ def _has_torch() -> bool:
 needs_torch = pytest.mark.skipif(not _has_torch(), reason="needs torch, not installed")
 
 
+@pytest.mark.gallery  # a full torch training comparison (about 30 s): with the galleries
 @needs_torch
 def test_migration_torch_amp_is_bit_for_bit():
     """One import changed: fmp.torch computes exactly what torch.amp does (same losses, to the last bit)."""

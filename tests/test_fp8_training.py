@@ -57,6 +57,7 @@ def test_mlp_mean_final_loss_over_seeds_within_two_percent_of_bfloat16():
         assert max(finals[recipe]) < 0.1, recipe  # every seed learned (bfloat16's worst seed: about 0.04)
 
 
+@pytest.mark.gallery
 def test_final_losses_over_seeds_are_printed_per_policy():
     proc = _run("--models", "mlp", "--recipes", "tensorwise", "--mlp-steps", "2", "--seeds", "0,1", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -65,6 +66,7 @@ def test_final_losses_over_seeds_are_printed_per_policy():
     assert rows["bfloat16"][1] == "+0.00%" and float(rows["tensorwise"][0]) > 0, proc.stdout
 
 
+@pytest.mark.gallery  # trains every seed twice (10-15 s a recipe): with the galleries
 @pytest.mark.parametrize("recipe", [None, "rowwise", "delayed"])
 @optax_not_strict
 def test_runs_over_seeds_batched_equal_runs_one_by_one(recipe):
