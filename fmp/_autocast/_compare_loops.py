@@ -18,8 +18,9 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 
 from fmp._autocast._cast import cast
 from fmp._autocast._compare_stats import output_stats, suggestion
-from fmp._autocast._context import Context, aval_of, is_castable, is_constant, like_avals
+from fmp._autocast._context import Context, is_constant, like_avals
 from fmp._autocast._hops import _loop_body, _pin_outputs
+from fmp._autocast._hops import _pin as _hops_pin
 from fmp._autocast._interp import eval_jaxpr, transform_closed
 from fmp._core._report import LOW, OpRecord
 
@@ -192,10 +193,6 @@ def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     return outs
 
 
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and is_castable(aval_of(x).dtype)
-
-
 def _finish(
     ctx: Context,
     blocks: list[tuple[int, int]],
@@ -243,8 +240,7 @@ def _join(a: str, b: str) -> str:
 
 
 def _pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:
-    vals = as_body_inputs(vals)
-    return [cast(x, a.dtype, ctx) if hasattr(a, "dtype") else x for x, a in zip(vals, avals, strict=True)]
+    return _hops_pin(as_body_inputs(vals), avals, ctx)
 
 
 def as_body_inputs(vals: list[Any]) -> list[Any]:
