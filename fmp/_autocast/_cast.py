@@ -138,7 +138,8 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
             return hit[1]
     if ctx.records is not None:
         _record_cast(ctx, eqn, scope, aval.dtype, dtype)
-    out = _cast_call(x, aval, dtype)
+    # a staging trace inlines the jitted cast (``inline=True``): bind its equations directly
+    out = _convert_fn(aval.dtype, dtype)(x) if _jax_internals.is_staging(x) else _cast_call(x, aval, dtype)
     if memo is not None:
         memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused
     return out

@@ -17,7 +17,6 @@ higher-order primitive, ``_hops``) and ``ctx.leaf`` (every other equation,
 from __future__ import annotations
 
 import dataclasses
-from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ from fmp._autocast import _jax_internals
 from fmp._autocast._cast import cast, restore
 from fmp._autocast._context import REGION_SCOPE, Context, record_eqn
 from fmp._autocast._lru import LRU
-from fmp._autocast._provenance import frame_of, is_inline_call
+from fmp._autocast._provenance import Chain, frame_of, is_inline_call
 from fmp._autocast._weights import body_weights, frame_weights, top_weights
 
 # Primitives whose sub-jaxpr is a scalar combiner typed for the original dtype,
@@ -99,25 +98,27 @@ def eval_jaxpr(
         env[v] = x
     inlined = call is not None and bool(ctx.frames) and bool(ctx.memos)
     ctx.memos.append(ctx.memos[-1] if inlined else {})  # a value cast for two uses is cast once
-    frame = frame_of(jaxpr, ctx.frames[-1], call.invars) if inlined and call else frame_of(jaxpr)
-    if not (inlined and call):
+    if inlined and call:
+        frame = frame_of(jaxpr, ctx.frames[-1], call.invars)
+    else:
         named = frame_weights(jaxpr, ctx.weights_in.get(id(jaxpr))) if ctx.frames else top_weights(jaxpr)
-        frame = dataclasses.replace(frame, weights=named)
+        frame = frame_of(jaxpr, weights=named)
     if hints:
         frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
     if jaxpr.constvars:
         frame = dataclasses.replace(
-            frame, consts=ChainMap(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts)
+            frame, consts=Chain(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts)
         )
     ctx.frames.append(frame)
     compare = ctx.compare  # explain(compare=True): each equation also runs as written, beside this run
     if compare is not None:
         compare.enter(jaxpr, consts)
     try:
+        outer = source_info_util.current_name_stack()  # each equation's context below restores it
         for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+            invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
             scope = _join(prefix, str(eqn.source_info.name_stack))
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            name_stack = outer + eqn.source_info.name_stack
             tb = ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback
             with source_info_util.user_context(tb, name_stack=name_stack), eqn.ctx.manager:
                 outs = rewrite_eqn(eqn, invals, ctx, scope) if compare is None else compare.step(eqn, invals, scope)

@@ -90,6 +90,11 @@ def _debug_info(name: str, n_args: int) -> Any:
     return api_util.debug_info(name, _flat, (0,) * n_args, {})
 
 
+def is_staging(x: Any) -> bool:
+    """Whether ``x`` is a value of a trace that stages a jaxpr (where an ``inline=True`` jit call is inlined)."""
+    return isinstance(x, pe.DynamicJaxprTracer)
+
+
 def trace_to_closed_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str) -> ClosedJaxpr:
     """Traces ``fun`` (flat args -> flat list of outputs) at exactly ``in_avals``."""
     dbg = _debug_info(name, len(in_avals))

@@ -64,6 +64,38 @@ class Frame:
     weights: Mapping[Any, str] = dataclasses.field(default_factory=dict)
 
 
+_MISSING = object()
+
+
+class Chain(Mapping):
+    """``own`` looked up before ``parent``, read-only: ``collections.ChainMap``'s lookups without its generator
+    per lookup (the walks here look variables up at every step)."""
+
+    __slots__ = ("own", "parent")
+
+    def __init__(self, own: Mapping[Any, Any], parent: Mapping[Any, Any]):
+        self.own, self.parent = own, parent
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        found = self.own.get(key, _MISSING)
+        return self.parent.get(key, default) if found is _MISSING else found
+
+    def __getitem__(self, key: Any) -> Any:
+        found = self.get(key, _MISSING)
+        if found is _MISSING:
+            raise KeyError(key)
+        return found
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.own or key in self.parent
+
+    def __iter__(self) -> Any:
+        return iter({**dict.fromkeys(self.parent), **dict.fromkeys(self.own)})
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 # id(jaxpr) -> (jaxpr, its producers, its use counts); holds the jaxpr, so its id is not reused while cached
 _PRODUCERS = LRU(512)
 
@@ -104,15 +136,19 @@ def returned_inputs(body: Jaxpr) -> list[tuple[int, int]]:
     ]
 
 
-def frame_of(jaxpr: Jaxpr, parent: Frame | None = None, operands: Sequence[Any] | None = None) -> Frame:
-    """The frame of ``jaxpr``: alone, or (with ``parent`` and ``operands``) as a body called in ``parent``
-    with ``operands`` (variables of ``parent``) as its inputs."""
+def frame_of(
+    jaxpr: Jaxpr,
+    parent: Frame | None = None,
+    operands: Sequence[Any] | None = None,
+    weights: Mapping[Any, str] | None = None,
+) -> Frame:
+    """The frame of ``jaxpr``: alone (naming ``weights``), or (with ``parent`` and ``operands``) as a body
+    called in ``parent`` with ``operands`` (variables of ``parent``) as its inputs."""
     own, uses = _producers(jaxpr)
     if parent is None or operands is None:
-        return Frame(own, {}, uses)
+        return Frame(own, {}, uses, weights={} if weights is None else weights)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
-    producers, aliases = collections.ChainMap(own, parent.producers), collections.ChainMap(alias, parent.alias)
-    return Frame(producers, aliases, uses, consts=parent.consts, weights=parent.weights)
+    return Frame(Chain(own, parent.producers), Chain(alias, parent.alias), uses, consts=parent.consts, weights=parent.weights)
 
 
 def used_once(var: Any, frame: Frame) -> bool:
@@ -128,8 +164,13 @@ def is_inline_call(eqn: JaxprEqn) -> bool:
 
 
 def up(var: Any, frame: Frame) -> Any:
-    while not isinstance(var, Literal) and var in frame.alias:
-        var = frame.alias[var]
+    """The variable of the outermost jaxpr on ``frame``'s path that ``var`` (a body input) stands for."""
+    alias = frame.alias
+    while not isinstance(var, Literal):
+        above = alias.get(var, _MISSING)
+        if above is _MISSING:
+            break
+        var = above
     return var
 
 
