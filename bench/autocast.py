@@ -10,6 +10,7 @@ B=8, T=128, D=256, 4 heads, MLP 4x (the issue's configuration).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import subprocess
@@ -198,9 +199,49 @@ def first_trace(kind: str) -> tuple[float, float]:
         params = init_params(jax.random.key(0))
         x = jax.random.normal(jax.random.key(1), (8, 128, 256))
         fn = fmp.autocast(loss) if kind == "auto" else (lambda p, x: loss(p, x, hand=True))
+        gc.collect()  # the trace starts from an empty young generation: which collections it triggers is its own
         wall, cpu = time.perf_counter(), time.process_time()
         compile_once(fn, params, x, compile=False)
         return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def first_pair(order: str) -> list[float]:
+    """The first trace+lower of both variants in one fresh process, at two sequence lengths so that neither
+    reuses a trace of the other (128 for the first in ``order``, 120 for the second): wall and CPU seconds,
+    autocast's then hand-cast's. One process's ratio is free of the speed this machine gives a whole
+    process (it varies by a third from one process to the next here); alternating the order cancels what
+    the first variant's run warms for the second."""
+    with jax.numpy_dtype_promotion("standard"):
+        small = init_params(jax.random.key(0), d=64, layers=1)
+        compile_once(lambda p, x: loss(p, x, hand=True), small, jnp.ones((2, 16, 64)), compile=False)
+        params = init_params(jax.random.key(0))
+        out: dict[str, tuple[float, float]] = {}
+        for kind, seq in zip(order.split(","), (128, 120), strict=True):
+            x = jax.random.normal(jax.random.key(1), (8, seq, 256))
+            fn = fmp.autocast(loss) if kind == "auto" else (lambda p, x: loss(p, x, hand=True))
+            gc.collect()
+            wall, cpu = time.perf_counter(), time.process_time()
+            compile_once(fn, params, x, compile=False)
+            out[kind] = (time.perf_counter() - wall, time.process_time() - cpu)
+        return [*out["auto"], *out["hand"]]
+
+
+def cold_pairs(runs: int) -> dict[str, float]:
+    """Autocast / hand-cast first trace, both in each fresh process (``first_pair``), the order alternating:
+    the median of each order's per-process ratios and their geometric mean, in wall and CPU time."""
+    ratios: dict[str, dict[str, list[float]]] = {o: {"wall": [], "cpu": []} for o in ("auto,hand", "hand,auto")}
+    for k in range(runs):
+        order = ("auto,hand", "hand,auto")[k % 2]
+        cmd = [sys.executable, __file__, "--first-pair", order]
+        aw, ac, hw, hc = map(float, subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-4:])
+        ratios[order]["wall"].append(aw / hw)
+        ratios[order]["cpu"].append(ac / hc)
+    out = {}
+    for m in ("wall", "cpu"):
+        meds = [statistics.median(ratios[o][m]) for o in ratios]
+        out[m] = math.sqrt(meds[0] * meds[1])
+        out[m + " (autocast first)"], out[m + " (hand-cast first)"] = meds
+    return out
 
 
 def cold_times(runs: int) -> dict[str, dict[str, float]]:
@@ -285,9 +326,13 @@ def main() -> None:
     ap.add_argument("--trace-only", action="store_true", help="only the trace+lower ratios (transformer, linen)")
     ap.add_argument("--cold", type=int, default=5, help="fresh processes per variant for the first trace")
     ap.add_argument("--first-trace", choices=("auto", "hand"), help=argparse.SUPPRESS)  # one cold process
+    ap.add_argument("--first-pair", choices=("auto,hand", "hand,auto"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.first_trace:
         print("{:.6f} {:.6f}".format(*first_trace(args.first_trace)))
+        return
+    if args.first_pair:
+        print(" ".join(f"{t:.6f}" for t in first_pair(args.first_pair)))
         return
     if args.trace_only:
         print(f"jax {jax.__version__}, trace+lower of jit(value_and_grad(loss)), min of {args.rounds} rounds")
@@ -299,6 +344,13 @@ def main() -> None:
             print(
                 f"transformer, first trace in a fresh process, {m} time (median of {args.cold}, interleaved): "
                 f"{auto / hand:.3f} ({1e3 * auto:.1f} / {1e3 * hand:.1f} ms)"
+            )
+        pairs = cold_pairs(2 * args.cold)
+        for m in ("wall", "cpu"):
+            print(
+                f"transformer, first traces of both in one fresh process, {m} time ({2 * args.cold} processes, "
+                f"order alternating): {pairs[m]:.3f} (median ratio {pairs[m + ' (autocast first)']:.3f} "
+                f"autocast first, {pairs[m + ' (hand-cast first)']:.3f} hand-cast first)"
             )
         return
     params = init_params(jax.random.key(0), args.dim)
