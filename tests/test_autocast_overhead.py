@@ -72,3 +72,18 @@ def test_transformer_residuals_match_hand_cast_and_beat_float32():
     assert auto_f32_pow <= hand_f32_gelu < f32
     # without the epilogue rule the bias add returns gelu's input to float32
     assert auto_no_epilogue > auto
+
+
+def test_cold_pair_times_both_variants_at_their_own_sequence_lengths(monkeypatch):
+    traced = []
+    real = B.compile_once
+
+    def spy(fn, params, x, compile=True):
+        traced.append(x.shape)
+        return real(fn, params, x, compile=compile)
+
+    monkeypatch.setattr(B, "compile_once", spy)
+    times = B.first_pair("hand,auto")
+    # warm-up at D=64, then the first variant at T=128 and the second at T=120
+    assert traced == [(2, 16, 64), (8, 128, 256), (8, 120, 256)]
+    assert len(times) == 4 and all(t > 0 for t in times)
