@@ -186,43 +186,44 @@ def trace_ratios(rounds: int) -> dict[str, float]:
     return out
 
 
+def _warm_up() -> None:
+    """JAX's own first-use costs (backend start, lowering machinery), paid by a hand-cast trace at other
+    shapes (D=64, one block) before any timed first trace."""
+    small = init_params(jax.random.key(0), d=64, layers=1)
+    compile_once(lambda p, x: loss(p, x, hand=True), small, jnp.ones((2, 16, 64)), compile=False)
+
+
+def _timed_first(kind: str, params: dict, x: jax.Array) -> tuple[float, float]:
+    """Wall and CPU seconds of one trace+lower of ``jit(value_and_grad(loss))`` (``auto``/``hand``)."""
+    fn = fmp.autocast(loss) if kind == "auto" else (lambda p, x: loss(p, x, hand=True))
+    gc.collect()  # the trace starts from an empty young generation: which collections it triggers is its own
+    wall, cpu = time.perf_counter(), time.process_time()
+    compile_once(fn, params, x, compile=False)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def first_trace(kind: str) -> tuple[float, float]:
     """Wall and CPU seconds of the first trace+lower of ``jit(value_and_grad(loss))`` in this process
-    (``auto``/``hand``).
-
-    JAX's own first-use costs (backend start, lowering machinery) are paid first by a hand-cast warm-up at
-    other shapes (D=64, one block), in both processes alike; what remains is the variant's cold cost.
+    (``auto``/``hand``), after ``_warm_up``, in both processes alike: what remains is the variant's cold cost.
     """
     with jax.numpy_dtype_promotion("standard"):
-        small = init_params(jax.random.key(0), d=64, layers=1)
-        compile_once(lambda p, x: loss(p, x, hand=True), small, jnp.ones((2, 16, 64)), compile=False)
-        params = init_params(jax.random.key(0))
-        x = jax.random.normal(jax.random.key(1), (8, 128, 256))
-        fn = fmp.autocast(loss) if kind == "auto" else (lambda p, x: loss(p, x, hand=True))
-        gc.collect()  # the trace starts from an empty young generation: which collections it triggers is its own
-        wall, cpu = time.perf_counter(), time.process_time()
-        compile_once(fn, params, x, compile=False)
-        return time.perf_counter() - wall, time.process_time() - cpu
+        _warm_up()
+        return _timed_first(kind, init_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (8, 128, 256)))
 
 
 def first_pair(order: str) -> list[float]:
     """The first trace+lower of both variants in one fresh process, at two sequence lengths so that neither
     reuses a trace of the other (128 for the first in ``order``, 120 for the second): wall and CPU seconds,
     autocast's then hand-cast's. One process's ratio is free of the speed this machine gives a whole
-    process (it varies by a third from one process to the next here); alternating the order cancels what
-    the first variant's run warms for the second."""
+    process (it varies by a third from one process to the next here); alternating the order evens out what
+    the first variant's run leaves warm for the second."""
     with jax.numpy_dtype_promotion("standard"):
-        small = init_params(jax.random.key(0), d=64, layers=1)
-        compile_once(lambda p, x: loss(p, x, hand=True), small, jnp.ones((2, 16, 64)), compile=False)
+        _warm_up()
         params = init_params(jax.random.key(0))
-        out: dict[str, tuple[float, float]] = {}
-        for kind, seq in zip(order.split(","), (128, 120), strict=True):
-            x = jax.random.normal(jax.random.key(1), (8, seq, 256))
-            fn = fmp.autocast(loss) if kind == "auto" else (lambda p, x: loss(p, x, hand=True))
-            gc.collect()
-            wall, cpu = time.perf_counter(), time.process_time()
-            compile_once(fn, params, x, compile=False)
-            out[kind] = (time.perf_counter() - wall, time.process_time() - cpu)
+        out = {
+            kind: _timed_first(kind, params, jax.random.normal(jax.random.key(1), (8, seq, 256)))
+            for kind, seq in zip(order.split(","), (128, 120), strict=True)
+        }
         return [*out["auto"], *out["hand"]]
 
 

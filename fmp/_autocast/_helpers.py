@@ -115,24 +115,17 @@ def keep_call(
         return None
     if not at_inputs:
         return ()
-    inlined = frame_of(body, ctx.frames[-1], operands)
+    inlined, alone = frame_of(body, ctx.frames[-1], operands), frame_of(body)
 
     def is_low(name: str) -> bool:
         return ctx.rules.category(name) in _LOW
 
-    def alone() -> tuple[tuple[str, str], ...]:
-        frame = frame_of(body)
-        return tuple(epilogue_sides(e, frame, is_low) for _, e in at_inputs)
-
     hints = []
-    for (n, e), own in zip(at_inputs, _ALONE.of(body, (id(body), ctx.rules), alone), strict=True):
+    for n, e in at_inputs:
         sides = epilogue_sides(e, inlined, is_low)
-        if sides != own:
+        if sides != epilogue_sides(e, alone, is_low):
             hints.append((n, sides))
     return tuple(hints)
-
-
-_ALONE = LRU(512)  # (id(body), rules) -> (body, the epilogue sides of its at-input equations, the body alone)
 
 
 def _huge_constant(var: Any, ctx: Context) -> bool:
