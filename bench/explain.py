@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autocast as bench_autocast  # noqa: E402
 
 import fmp  # noqa: E402
-from fmp._autocast import _compare  # noqa: E402
+from fmp._autocast._explain import _forward  # noqa: E402
 
 MODELS = ("bench transformer", "linen encoder")
 
@@ -76,7 +76,7 @@ def peak_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
     """The most bytes of live arrays beyond ``args`` while ``explain(compare=True)`` runs, sampled per op."""
     base = sum(a.nbytes for a in jax.live_arrays())
     peak = 0
-    step = _compare.Comparison.step
+    step = _forward.Comparison.step
 
     def sampled(self: Any, *a: Any) -> Any:
         nonlocal peak
@@ -84,11 +84,11 @@ def peak_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
         peak = max(peak, sum(x.nbytes for x in jax.live_arrays()) - base)
         return out
 
-    _compare.Comparison.step = sampled  # type: ignore[method-assign]
+    _forward.Comparison.step = sampled  # type: ignore[method-assign]
     try:
         fmp.explain(fn, "mixed_bfloat16", compare=True)(*args)
     finally:
-        _compare.Comparison.step = step  # type: ignore[method-assign]
+        _forward.Comparison.step = step  # type: ignore[method-assign]
     return peak
 
 

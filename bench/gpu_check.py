@@ -11,7 +11,7 @@ Checks (pass/fail, exact where the math is exact):
   must equal the hand-cast bfloat16 matmul bit for bit.
 * **fp8 dots**: where the backend compiles a float8_e4m3fn / e5m2 dot with float32 accumulation, it is
   compared with the float32 dot of the same (exactly representable) values; "not supported" otherwise.
-* **torch float8** (``bench/_gpu_torch_fp8.py``, also runnable alone): the kernel ``autocast_fx`` picks, its
+* **torch float8** (``bench/_gpu_torch_float8.py``, also runnable alone): the kernel ``autocast_fx`` picks, its
   ``torch._scaled_mm`` kernel against the emulation (exact data: bit for bit; random data: a tolerance), and
   the MLP step timed against bfloat16 and torchao (when importable).
 
@@ -49,7 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's fmp, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _gpu_torch_fp8  # noqa: E402
+import _gpu_torch_float8  # noqa: E402
 
 import fmp  # noqa: E402
 
@@ -306,7 +306,7 @@ def markdown(res: dict[str, Any]) -> str:
         temp = "n/a" if r["temp_MiB"] is None else f"{r['temp_MiB']:.0f}"
         lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_f32']:.2f} | "
                      f"{temp} | {r['loss']:.4f} | {r['fp8_gemms']} |")  # fmt: skip
-    lines += _gpu_torch_fp8.markdown(res["torch_fp8"])
+    lines += _gpu_torch_float8.markdown(res["torch_fp8"])
     return "\n".join(lines) + "\n"
 
 
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checks = [check_scaler_vs_torch(torch, tdev, 20 if args.smoke else 200)]
     checks += check_autocast_dtypes(torch, tdev)
     checks += check_fp8()
-    torch_fp8 = _gpu_torch_fp8.section(torch, tdev, args.smoke, iters)
+    torch_fp8 = _gpu_torch_float8.section(torch, tdev, args.smoke, iters)
     checks += torch_fp8["checks"]
     res = {"smoke": args.smoke, "env": env, "checks": checks, "model": ", ".join(f"{k}={v}" for k, v in c.items()),
            "scaler": time_scaler(c, iters), "train_step": time_train_step(c, iters), "torch_fp8": torch_fp8}  # fmt: skip

@@ -12,18 +12,18 @@ from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
 from fmp._core._rules import RuleSet as RuleSet
 from fmp._core._scaler_rule import ScaleHealthWarning as ScaleHealthWarning
-from fmp._finite import all_finite as all_finite
-from fmp._finite import nonfinite_leaves as nonfinite_leaves
-from fmp._finite import select_tree as select_tree
-from fmp._fp8 import Float8Recipe as Float8Recipe
-from fmp._fp8 import Float8State as Float8State
-from fmp._grad import grad as grad
-from fmp._grad import value_and_grad as value_and_grad
-from fmp._health import check_scaler_health as check_scaler_health
+from fmp._float8 import Float8Recipe as Float8Recipe
+from fmp._float8 import Float8State as Float8State
 from fmp._policy import Policy as Policy
 from fmp._policy import cast_tree as cast_tree
 from fmp._policy import get_policy as get_policy
-from fmp._scaler import GradScaler as GradScaler
+from fmp._scaling._finite import all_finite as all_finite
+from fmp._scaling._finite import nonfinite_leaves as nonfinite_leaves
+from fmp._scaling._finite import select_tree as select_tree
+from fmp._scaling._grad import grad as grad
+from fmp._scaling._grad import value_and_grad as value_and_grad
+from fmp._scaling._health import check_scaler_health as check_scaler_health
+from fmp._scaling._scaler import GradScaler as GradScaler
 
 __version__ = "0.1.0.dev0"
 

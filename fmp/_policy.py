@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmp._core import _dtypes
-from fmp._fp8._recipe import SCALINGS, Float8Recipe, as_recipe
+from fmp._float8._recipe import SCALINGS, Float8Recipe, as_recipe
 
 T = TypeVar("T")
 

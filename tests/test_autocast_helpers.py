@@ -14,8 +14,9 @@ import pytest
 from helpers import load_bench
 
 import fmp
-from fmp._autocast import _args, _helpers
-from fmp._autocast._provenance import is_inline_call
+from fmp._autocast import _args
+from fmp._autocast._engine._provenance import is_inline_call
+from fmp._autocast._hops import _helpers
 
 B = load_bench("autocast")
 
@@ -171,7 +172,11 @@ def test_hoisted_casts_stay_out_of_nested_regions_and_overrides(monkeypatch):
 
 
 def test_rewrite_caches_are_safe_across_threads(monkeypatch):
-    from fmp._autocast import _cast, _interp, _lru
+    from fmp._autocast._engine import (
+        _cast,
+        _interp,
+        _lru,
+    )
 
     # tiny caches: every trace evicts what another thread is about to read
     for mod, name in ((_interp, "_CACHE"), (_cast, "_CAST_CALLS"), (_helpers, "_SPECIAL")):
@@ -202,7 +207,7 @@ def test_rewrite_caches_are_safe_across_threads(monkeypatch):
 
 
 def test_a_value_used_once_is_cast_inside_the_kept_call_and_one_used_twice_at_it(monkeypatch):
-    from fmp._autocast import _jax_internals
+    from fmp._autocast._engine import _jax_internals
 
     def f(x, w1, w2):
         return jnp.sum(jnp.tanh(x @ w1) @ w2) + jnp.sum(x @ w2)  # w1 used once; x and w2 twice

@@ -248,7 +248,7 @@ def test_explain_source_paths_are_short_and_the_full_path_is_kept(tmp_path, monk
 
 
 def test_short_source():
-    from fmp._core._report import short_source
+    from fmp._report._records import short_source
 
     site = "/usr/lib/python3.11/site-packages/flax/linen/linear.py:80:4 (__call__)"
     assert short_source(site, "/home/me/proj") == "linear.py:80:4 (__call__)"
@@ -429,16 +429,17 @@ def test_custom_vjp_bwd_rule_runs_under_the_policy_unless_marked_as_written():
 
 
 def test_loop_carry_falls_back_to_original_dtypes_if_no_fixed_point(monkeypatch):
-    from fmp._autocast import _hops
 
-    monkeypatch.setattr(_hops, "_MAX_ROUNDS", 1)  # the widening loop needs two rounds
+    from fmp._autocast._hops import _control
+
+    monkeypatch.setattr(_control, "_MAX_ROUNDS", 1)  # the widening loop needs two rounds
     assert _body_carry_dtypes(rewritten(_widening, X, W), "scan") == (["float32"], ["float32"])
     cj = rewritten(_bf16_rnn, X, W)  # converges in one round
     assert _body_carry_dtypes(cj, "scan") == (["bfloat16"], ["bfloat16"])
 
 
 def test_each_loop_body_and_cond_branch_is_rewritten_once(monkeypatch):
-    from fmp._autocast import _interp
+    from fmp._autocast._engine import _interp
 
     seen = []
     inner = _interp._transform_closed

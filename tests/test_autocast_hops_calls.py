@@ -14,9 +14,10 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 import fmp
-from fmp._autocast import _hops_calls, _jax_internals
-from fmp._autocast._hops import HANDLERS
-from fmp._autocast._interp import OPAQUE
+from fmp._autocast._engine import _jax_internals
+from fmp._autocast._engine._interp import OPAQUE
+from fmp._autocast._hops import _calls
+from fmp._autocast._hops._control import HANDLERS
 
 BF16 = jnp.dtype(jnp.bfloat16)
 # parameter names of a primitive's rules that hold a sub-jaxpr (or a thunk that makes one)
@@ -180,12 +181,12 @@ _FIRST_ORDER = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(_hops_calls.REFUSED))
+@pytest.mark.parametrize("name", sorted(_calls.REFUSED))
 def test_refusal_names_the_primitive(name: str) -> None:
-    assert len(_hops_calls.REFUSED[name]) > 10  # the error gives a reason
+    assert len(_calls.REFUSED[name]) > 10  # the error gives a reason
     prim = _jax_internals.primitives_by_name().get(name)
     if prim is not None:
-        assert HANDLERS[prim] is _hops_calls._refuse
+        assert HANDLERS[prim] is _calls._refuse
 
 
 @pytest.mark.parametrize("api", ["custom_vmap", "linear_call"])

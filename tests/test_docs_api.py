@@ -99,7 +99,7 @@ def test_help_reads_plain_names_and_the_site_links_them():
     assert refs.link("`loss_scaled`, `GradScaler.state_dict`", exists) == (
         "[`loss_scaled`][fmp.optax.loss_scaled], [`GradScaler.state_dict`][fmp.GradScaler.state_dict]"
     )
-    assert refs.link("`fmp._scaler`, `nope`, ``GradScaler``", exists) == "`fmp._scaler`, `nope`, ``GradScaler``"
+    assert refs.link("`fmp._scaling._scaler`, `nope`, ``GradScaler``", exists) == "`fmp._scaling._scaler`, `nope`, ``GradScaler``"
 
 
 def test_docs_build_warns_on_a_raw_role(caplog):

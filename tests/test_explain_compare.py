@@ -210,8 +210,8 @@ def test_debugging_guide_example_runs():
 
 
 def test_statistics_agree_in_numpy_and_compiled():
-    from fmp._autocast import _compare_stats as cs
-    from fmp._core._compare_math import combine
+    from fmp._autocast._explain import _stats as cs
+    from fmp._report._compare import combine
 
     r = jax.random.normal(K[0], (1 << 17,)) * 1e20  # squares beyond float32: the sums are scaled
     p = (r * (1 + 1e-3 * jax.random.normal(K[1], r.shape))).at[5].set(jnp.inf).at[6].set(jnp.nan)

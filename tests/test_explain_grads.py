@@ -179,7 +179,7 @@ def test_debugging_guide_gradient_example_runs():
 
 
 def test_the_widened_run_treats_the_float16_rounding_mark_as_the_identity():
-    from fmp._autocast._compare_grads import _Runs
+    from fmp._autocast._explain._grads import _Runs
 
     x = jnp.linspace(1.1e-7, 3.3e-7, 8).reshape(1, 8)  # float16 subnormal range: its grid would move them
     closed = jax.make_jaxpr(fmp.autocast(lambda x, w: x @ w, "mixed_float16"))(x, jnp.eye(8))

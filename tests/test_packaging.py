@@ -39,40 +39,72 @@ def test_py_typed_is_shipped():
     assert (Path(fmp.__file__).parent / "py.typed").exists()
 
 
-def test_core_imports_neither_jax_nor_torch():
-    # The framework-neutral core must stay framework-neutral.
-    for path in (ROOT / "fmp" / "_core").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            else:
-                continue
-            for name in names:
-                assert name.split(".")[0] not in {"jax", "jaxlib", "torch", "optax", "flax"}, (path, name)
+_FRAMEWORKS = {"jax", "jaxlib", "torch", "optax", "flax"}
 
 
-def test_imports_point_downward():
-    # fmp._core never imports from the rest of fmp (no cycles through the core).
-    for path in (ROOT / "fmp" / "_core").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fmp."):
-                assert node.module.startswith("fmp._core"), (path, node.module)
+def _imports(path: Path) -> list[str]:
+    """The modules ``path`` imports, function-level imports included."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names += [f"{base}.{a.name}" for a in node.names] if base.startswith("fmp") else [base]
+    return names
 
 
-def test_autocast_modules_form_no_cycle():
-    # fmp._autocast: the interpreter core (_interp on _context and _cast, with _rows and _provenance) at the bottom; rules, handlers, the public wrappers and
-    # explain stand on it. Every import inside the package (local imports included) must form a DAG.
+@pytest.mark.parametrize("folder", ["_core", "_report"])
+def test_framework_neutral_rooms_import_neither_jax_nor_torch(folder):
+    # the rule table, the scaler rule and the comparison core serve both frameworks
+    for path in (ROOT / "fmp" / folder).glob("*.py"):
+        for name in _imports(path):
+            assert name.split(".")[0] not in _FRAMEWORKS, (path, name)
+
+
+@pytest.mark.parametrize(
+    ("folder", "allowed"),
+    [
+        ("_core", ("fmp._core",)),  # the bottom: nothing else of fmp
+        ("_report", ("fmp._core", "fmp._report")),
+        # the interpreter imports nothing of the transform above it (handlers, leaf rules, explain)
+        ("_autocast/_engine", ("fmp._core", "fmp._report", "fmp._policy", "fmp._float8", "fmp._autocast._engine")),
+    ],
+)
+def test_imports_point_downward(folder, allowed):
+    for path in (ROOT / "fmp" / folder).glob("*.py"):
+        for name in _imports(path):
+            if name.startswith("fmp"):
+                assert name.startswith(allowed), (path, name)
+
+
+def test_autocast_rooms_stand_on_each_other_in_order():
+    # _engine <- _hops <- the transform's own modules <- _explain: no room imports one above it
+    order = ["_engine", "_hops", "", "_explain"]
     pkg = ROOT / "fmp" / "_autocast"
-    graph: dict[str, set[str]] = {}
-    for path in pkg.glob("*.py"):
-        deps = graph.setdefault(path.stem, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fmp._autocast"):
-                mods = [a.name for a in node.names] if node.module == "fmp._autocast" else [node.module.split(".")[2]]
-                deps.update(m for m in mods if (pkg / f"{m}.py").exists())
+    for level, room in enumerate(order):
+        paths = pkg.glob("*.py") if room == "" else (pkg / room).glob("*.py")
+        above = [r for r in order[level + 1 :] if r]
+        for path in paths:
+            if path.name == "__init__.py" and room == "":
+                continue  # the package's face re-exports explain
+            for name in _imports(path):
+                for r in above:
+                    assert not name.startswith(f"fmp._autocast.{r}"), (path, name)
+                if room in ("_engine", "_hops"):
+                    parts = name.split(".")
+                    top_level = len(parts) >= 3 and parts[:2] == ["fmp", "_autocast"] and parts[2] not in order
+                    assert not top_level, (path, name)
+
+
+def test_autocast_engine_forms_no_cycle():
+    # the interpreter (_interp on _context and _cast, with _rows and _provenance) at the bottom of the engine
+    pkg = ROOT / "fmp" / "_autocast" / "_engine"
+    graph = {
+        path.stem: {n.split(".")[3] for n in _imports(path) if n.startswith("fmp._autocast._engine.")}
+        for path in pkg.glob("*.py")
+    }
+    graph.pop("__init__")
     assert graph["_context"] <= {"_rows", "_provenance"}, graph["_context"]
     assert graph["_cast"] <= {"_context", "_jax_internals", "_lru"}, graph["_cast"]
     assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru", "_weights"}, graph[
@@ -127,7 +159,7 @@ def test_fmp_modules_form_no_import_cycle():
     # imports point downward across the whole package: no module imports (at the top or in a function) one
     # that imports it back, directly or through others
     graph = _fmp_import_graph()
-    assert {"fmp._scaler", "fmp._flax_serialization", "fmp.torch._fx"} <= graph.keys()
+    assert {"fmp._scaling._scaler", "fmp._flax_serialization", "fmp.torch._fx._api"} <= graph.keys()
     _assert_no_cycle(graph)
 
 

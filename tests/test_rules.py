@@ -30,7 +30,7 @@ def test_issue_named_jax_primitives():
 
 def test_jax_names_are_real_primitives():
     # Every JAX name in the table must be a primitive this JAX knows; a typo would silently never match.
-    from fmp._autocast._jax_internals import primitives_by_name
+    from fmp._autocast._engine._jax_internals import primitives_by_name
 
     known = set(primitives_by_name())
     assert {"dot_general", "exp", "cholesky", "fft", "custom_linear_solve"} <= known

@@ -357,7 +357,7 @@ def test_torch_facade_warns_once_per_long_run_of_skipped_steps():
 
 
 def test_nonfinite_leaves_compiles_once_and_a_healthy_check_does_not_scan_the_grads(monkeypatch):
-    from fmp import _finite, _health
+    from fmp._scaling import _finite, _health
 
     grads = {"w": jnp.ones(3), "b": jnp.array([jnp.nan])}
     assert fmp.nonfinite_leaves(grads) == ["['b']"]

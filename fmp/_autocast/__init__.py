@@ -1,6 +1,6 @@
 """Autocast for JAX: a jaxpr-to-jaxpr mixed-precision transform."""
 
-from fmp._autocast._explain import explain as explain
+from fmp._autocast._explain._api import explain as explain
 from fmp._autocast._transform import autocast_jaxpr as autocast_jaxpr
 from fmp._autocast._wrap import autocast as autocast
 from fmp._autocast._wrap import bwd_as_written as bwd_as_written

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
-from fmp._autocast import _jax_internals
-from fmp._autocast._context import aval_of
+from fmp._autocast._engine import _jax_internals
+from fmp._autocast._engine._context import aval_of
 from fmp._autocast._nnx_scopes import module_scopes
 
 

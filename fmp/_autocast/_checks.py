@@ -15,7 +15,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 
 from fmp._arrays import foreign_kind
-from fmp._autocast._context import dtype_name
+from fmp._autocast._engine._context import dtype_name
 from fmp._core import _dtypes, _scopes
 from fmp._policy import Policy
 

@@ -2,7 +2,7 @@
 
 The rule table puts ``dot_general`` and ``conv_general_dilated`` in the ``float8`` category; under a policy
 without a recipe they are ordinary lower-precision ops (``_leaf``), under one with a recipe ``_leaf`` hands
-them here. The quantisation math and the scaling state live in ``fmp._fp8``; this module only decides the
+them here. The quantisation math and the scaling state live in ``fmp._float8``; this module only decides the
 output dtype, picks a delayed-scaling history row, binds, and records the explain row.
 """
 
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
 
-from fmp._autocast import _rows
-from fmp._autocast._context import Context, aval_of, float_names, source_of
+from fmp._autocast._engine import _rows
+from fmp._autocast._engine._context import Context, aval_of, float_names, source_of
 from fmp._core._rules import Category
-from fmp._fp8 import _bind as _fp8
+from fmp._float8 import _bind as _fp8
 from fmp._policy import Policy
 
 

@@ -20,13 +20,13 @@ import numpy as np
 from jax.extend.core import JaxprEqn, Literal
 from jax.extend.core.primitives import convert_element_type_p
 
-from fmp._autocast import _constants
-from fmp._autocast._cast import cast, round_once
-from fmp._autocast._context import Context, aval_of, dtype_name, is_castable, is_scalar_constant, record_eqn
-from fmp._autocast._dims import contracted_size
+from fmp._autocast._engine import _constants
+from fmp._autocast._engine._cast import cast, round_once
+from fmp._autocast._engine._context import Context, aval_of, dtype_name, is_castable, is_scalar_constant, record_eqn
+from fmp._autocast._engine._dims import contracted_size
+from fmp._autocast._engine._interp import bind
+from fmp._autocast._engine._provenance import BIAS, NOT_LOW, epilogue_sides, weight_of
 from fmp._autocast._float8 import float8
-from fmp._autocast._interp import bind
-from fmp._autocast._provenance import BIAS, NOT_LOW, epilogue_sides, weight_of
 from fmp._core import _dtypes
 from fmp._core._rules import Category, decide
 from fmp._policy import Policy

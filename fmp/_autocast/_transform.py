@@ -1,7 +1,7 @@
 """The public rewrite: ``autocast_jaxpr``, and the one place a rewrite's context is built.
 
 ``make_context`` validates a policy, a rule set and overrides and gives the
-interpreter (``_interp``) its handlers: ``_hops.HANDLERS`` for higher-order
+interpreter (``_interp``) its handlers: ``_control.HANDLERS`` for higher-order
 primitives and ``_leaf.leaf`` for every other equation. ``fmp.autocast``
 (``_wrap``), ``fmp.autocast_jaxpr`` (here) and ``fmp.explain`` (``_explain``)
 all build their context here.
@@ -15,13 +15,14 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
-from fmp._autocast import _hops, _leaf
-from fmp._autocast._cast import cast
-from fmp._autocast._context import Context, dtype_name, is_castable
-from fmp._autocast._interp import _transform_closed, eval_jaxpr
-from fmp._core._report import OpRecord
+from fmp._autocast import _leaf
+from fmp._autocast._engine._cast import cast
+from fmp._autocast._engine._context import Context, dtype_name, is_castable
+from fmp._autocast._engine._interp import _transform_closed, eval_jaxpr
+from fmp._autocast._hops import _control
 from fmp._core._rules import DEFAULT_RULES, RuleSet
 from fmp._policy import Policy, get_policy
+from fmp._report._records import OpRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +42,14 @@ def configure(policy: str | Policy, rules: RuleSet | None = None, overrides: Map
 def make_context(config: Config, records: list[OpRecord] | None = None, fp8_sites: Any = None) -> Context:
     """The context of one rewrite: the configuration plus the interpreter's handlers and leaf rules.
 
-    ``fp8_sites`` (an ``fmp._fp8._state.SiteFeeder``) hands delayed-scaling float8 sites their history rows.
+    ``fp8_sites`` (an ``fmp._float8._state.SiteFeeder``) hands delayed-scaling float8 sites their history rows.
     """
     return Context(
         config.policy,
         config.rules,
         config.overrides,
         records=records,
-        handlers=_hops.HANDLERS,
+        handlers=_control.HANDLERS,
         leaf=_leaf.leaf,
         keeps=_leaf.keeps,
         fp8_sites=fp8_sites,

@@ -10,12 +10,12 @@ import jax
 
 from fmp._autocast._args import graph_nodes, trace, trace_with_graph_state
 from fmp._autocast._checks import check_args, warn_no_effect
-from fmp._autocast._context import REGION_SCOPE
-from fmp._autocast._custom_bwd import BWD_AS_WRITTEN
-from fmp._autocast._fp8_checks import check_state, claim
+from fmp._autocast._engine._context import REGION_SCOPE
+from fmp._autocast._float8_checks import check_state, claim
+from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN
 from fmp._autocast._transform import configure, make_context, rewrite_top, run_top
 from fmp._core._rules import RuleSet
-from fmp._fp8._state import Float8State, SiteFeeder
+from fmp._float8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
 
 _MSG_POLICY_FIRST = (

@@ -81,7 +81,7 @@ JAX_FLOAT32 = (
     "tridiagonal",
     "tridiagonal_solve",
     # iterative and custom linear solves (jnp.linalg.solve / inv, lax.custom_root's jvp): their bodies run
-    # under a float32 policy, their custom rules kept (fmp/_autocast/_hops_calls.py)
+    # under a float32 policy, their custom rules kept (fmp/_autocast/_hops/_calls.py)
     "custom_linear_solve",
     # random sampling with float parameters (gamma's rejection sampler is unstable in bfloat16)
     "random_gamma",

@@ -6,7 +6,7 @@ from typing import Any
 
 import optax
 
-from fmp._fp8._state import Float8State
+from fmp._float8._state import Float8State
 
 
 def float8_step(

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fmp._finite import all_finite, select_tree
-from fmp._scaler import GradScaler
+from fmp._scaling._finite import all_finite, select_tree
+from fmp._scaling._scaler import GradScaler
 from fmp.optax._checks import check_inner, check_state, check_updates
 
 _MSG_NO_SCALER = (

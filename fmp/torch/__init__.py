@@ -12,12 +12,12 @@ from fmp.torch import cuda as cuda
 from fmp.torch._autocast import autocast as autocast
 from fmp.torch._custom import custom_bwd as custom_bwd
 from fmp.torch._custom import custom_fwd as custom_fwd
-from fmp.torch._fx import autocast_fx as autocast_fx
-from fmp.torch._fx import autocast_graph as autocast_graph
-from fmp.torch._fx_explain import explain_fx as explain_fx
-from fmp.torch._fx_explain import explain_graph as explain_graph
-from fmp.torch._grad_scaler import GradScaler as GradScaler
-from fmp.torch._sharded_grad_scaler import ShardedGradScaler as ShardedGradScaler
+from fmp.torch._fx._api import autocast_fx as autocast_fx
+from fmp.torch._fx._api import autocast_graph as autocast_graph
+from fmp.torch._fx._explain import explain_fx as explain_fx
+from fmp.torch._fx._explain import explain_graph as explain_graph
+from fmp.torch._scaler._grad_scaler import GradScaler as GradScaler
+from fmp.torch._scaler._sharded import ShardedGradScaler as ShardedGradScaler
 
 __all__ = [
     "GradScaler",

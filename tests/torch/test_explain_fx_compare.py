@@ -243,8 +243,8 @@ def test_buffers_and_inputs_are_left_as_they_were():
 
 def test_torch_and_jax_statistics_agree():
     jnp = pytest.importorskip("jax.numpy")
-    from fmp._autocast import _compare_stats as js
-    from fmp.torch import _fx_compare_stats as ts
+    from fmp._autocast._explain import _stats as js
+    from fmp.torch._fx import _compare_stats as ts
 
     rng = np.random.default_rng(0)
     for n in (100, 1 << 17):  # NumPy and compiled paths on the JAX side
@@ -270,17 +270,17 @@ def test_autocast_fx_float32_override_runs_the_module_as_written():
 
 
 def test_the_runs_stream_values_not_every_intermediate(monkeypatch):
-    from fmp.torch import _fx_compare
+    from fmp.torch._fx import _compare
 
     peak = []
-    until = _fx_compare._Runner.until
+    until = _compare._Runner.until
 
     def counted(self, target):
         out = until(self, target)
         peak.append(sum(1 for n in self.env if n.op == "call_function"))  # parameters cost nothing
         return out
 
-    monkeypatch.setattr(_fx_compare._Runner, "until", counted)
+    monkeypatch.setattr(_compare._Runner, "until", counted)
     lin = nn.Linear(16, 16)
 
     def deep(x):

@@ -318,7 +318,7 @@ def _fake_cuda(shape):
 @pytest.mark.parametrize("dtype", LOW, ids=LOW_IDS)
 @pytest.mark.parametrize("name", sorted(CUDA_CASES))
 def test_cuda_rules_on_fake_cuda_tensors(name, dtype):
-    from fmp.torch._fx_common import ambient_autocast
+    from fmp.torch._fx._common import ambient_autocast
 
     fn = CUDA_CASES[name]
     a = _fake_cuda((4, 4))
@@ -407,7 +407,7 @@ def test_explain_fx_report():
     torch.manual_seed(0)
     model, (x, t) = _mlp()
     report = fmp.torch.explain_fx(model, (x, t), ("cpu", torch.bfloat16))
-    assert isinstance(report, fmp._core._report.Report)
+    assert isinstance(report, fmp._report._records.Report)
     assert report.framework == "torch"
     by_op = {r.op: r for r in report.records}
     linear = by_op["aten::linear"]

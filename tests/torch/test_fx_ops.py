@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 import fmp  # noqa: E402
 import fmp.torch  # noqa: E402
-from fmp.torch._fx_common import ambient_autocast, op_key  # noqa: E402
+from fmp.torch._fx._common import ambient_autocast, op_key  # noqa: E402
 from tests.torch.fx_op_samples import CUDA_SAMPLES, SAMPLES  # noqa: E402
 
 CPU_OPS = sorted(fmp.DEFAULT_RULES.table("torch", "cpu"))

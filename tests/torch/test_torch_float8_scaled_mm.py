@@ -16,7 +16,7 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noq
 
 import fmp  # noqa: E402
 import fmp.torch  # noqa: E402
-from fmp.torch import _fx_float8  # noqa: E402
+from fmp.torch._fx import _float8  # noqa: E402
 
 # fmp's spelling of torchao's named recipes, with float32 results as torchao's float32 module gives
 PEER = {name: fmp.Float8Recipe.from_peer(f"torchao_{name}", output="float32") for name in ("tensorwise", "rowwise")}
@@ -163,7 +163,7 @@ def test_explain_rows_show_scaling_and_kernel():
 
 
 def test_auto_falls_back_to_the_emulation_where_scaled_mm_does_not_run(monkeypatch):
-    monkeypatch.setattr(_fx_float8, "scaled_mm_error", lambda device, rowwise: "RuntimeError: not on this device")
+    monkeypatch.setattr(_float8, "scaled_mm_error", lambda device, rowwise: "RuntimeError: not on this device")
     x = torch.randn(4, 16)
     assert _kernels(_fmp(_mlp(), x, PEER["rowwise"])) == ["emulated"] * 2
     with pytest.raises(RuntimeError, match=r"float8_matmul='scaled_mm'.*\[4, 16\] @ \[16, 32\].*not on this"):
@@ -210,15 +210,15 @@ def test_a_matmul_fed_directly_by_a_float8_matmul_runs_in_float8_too():
 def test_cuda_shapes_off_the_kernels_alignment_take_the_emulation_or_are_refused(monkeypatch):
     """CUDA's float8 GEMMs need m, k and n to be multiples of 16: "auto" emulates such a matmul (the explain
     row says so), "scaled_mm" refuses it at trace time instead of failing in the first call."""
-    monkeypatch.setattr(_fx_float8, "scaled_mm_error", lambda device, rowwise: None)
-    assert _fx_float8._kernel("auto", "cuda", "rowwise", (32, 64, 16)) == "scaled_mm"
-    assert _fx_float8._kernel("auto", "cuda", "rowwise", (4, 64, 16)) == "emulated"
+    monkeypatch.setattr(_float8, "scaled_mm_error", lambda device, rowwise: None)
+    assert _float8._kernel("auto", "cuda", "rowwise", (32, 64, 16)) == "scaled_mm"
+    assert _float8._kernel("auto", "cuda", "rowwise", (4, 64, 16)) == "emulated"
     with pytest.raises(RuntimeError, match=r"\[4, 64\] @ \[64, 16\].*multiples of 16"):
-        _fx_float8._kernel("scaled_mm", "cuda", "tensorwise", (4, 64, 16))
+        _float8._kernel("scaled_mm", "cuda", "tensorwise", (4, 64, 16))
 
 
 def test_the_recipes_emulate_field_chooses_the_kernel_as_on_the_jax_side():
-    from fmp.torch._fx_float8 import check_kernel
+    from fmp.torch._fx._float8 import check_kernel
 
     pol = "mixed_float8"
     assert check_kernel("auto", fmp.Float8Recipe(emulate=True), pol) == "emulated"

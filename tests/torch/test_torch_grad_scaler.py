@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import fmp.torch  # noqa: E402
 from fmp._core import _scaler_rule  # noqa: E402
-from fmp.torch._grad_scaler import TORCH_OPS  # noqa: E402
+from fmp.torch._scaler._grad_scaler import TORCH_OPS  # noqa: E402
 
 IMPLS = {"torch": torch.amp.GradScaler, "fmp": fmp.torch.GradScaler}
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from fmp.torch import _autocast, _custom, _grad_scaler
+from fmp.torch import _autocast, _custom
+from fmp.torch._scaler import _grad_scaler
 
 __all__ = ["GradScaler", "autocast", "custom_bwd", "custom_fwd"]
 

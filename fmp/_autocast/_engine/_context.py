@@ -1,0 +1,173 @@
+"""What one rewrite carries: its ``Context`` (policy, rules, handlers, caches, explain rows) and value helpers.
+
+The bottom of ``fmp._autocast`` with ``_provenance``: the interpreter
+(``_interp``), the casts (``_cast``) and every handler read the context and
+these helpers; this module imports no other part of the rewrite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import JaxprEqn
+
+from fmp._autocast._engine import _rows
+from fmp._autocast._engine._provenance import Frame
+from fmp._core import _dtypes, _scopes
+from fmp._core._rules import RuleSet
+from fmp._policy import Policy
+from fmp._report._records import OpRecord, short_source
+
+# The named scope an autocast region runs under. An outer autocast leaves every
+# equation under this scope as the inner region decided it.
+REGION_SCOPE = "fmp_autocast"
+
+
+def like_avals(avals: Sequence[Any], vals: Sequence[Any]) -> list[Any]:
+    """``avals`` (a body's own: shape, sharding, ...) with the dtypes and weak types of ``vals``."""
+    out = []
+    for a, x in zip(avals, vals, strict=True):
+        cur = aval_of(x)
+        same = not hasattr(a, "dtype") or (a.dtype == cur.dtype and a.weak_type == cur.weak_type)
+        out.append(a if same else a.update(dtype=cur.dtype, weak_type=cur.weak_type))
+    return out
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name of a dtype; works for extended dtypes (PRNG keys) that NumPy does not know."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype-like
+        pass
+    name = getattr(dtype, "name", None)
+    name = name if isinstance(name, str) else np.dtype(dtype).name
+    try:
+        if len(_NAMES) < 256:
+            _NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
+
+
+def is_castable(dtype: Any) -> bool:
+    return dtype_name(dtype) in _dtypes.CASTABLE
+
+
+def is_constant(x: Any) -> bool:
+    """A value known while tracing: a literal of the program, or a constant JAX would fold into one."""
+    return isinstance(x, int | float | complex | np.ndarray | np.generic) and not isinstance(x, jax.Array)
+
+
+def is_scalar_constant(x: Any) -> bool:
+    """A constant with no dimensions (a Python number or a 0-d NumPy value): a scalar literal of the source."""
+    return is_constant(x) and (not isinstance(x, np.ndarray | np.generic) or x.ndim == 0)
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value of a runtime value (tracer, array or Python scalar)."""
+    return jax.typeof(x)
+
+
+@dataclasses.dataclass
+class Context:
+    """The static configuration of one rewrite, plus an optional explain recorder."""
+
+    policy: Policy
+    rules: RuleSet
+    overrides: tuple[tuple[str, Policy], ...] = ()
+    records: list[OpRecord] | None = None
+    # one cast cache per jaxpr being evaluated (values of one trace): (id(x), dtype) -> (x, cast x)
+    memos: list[dict[tuple[int, str], tuple[Any, Any]]] = dataclasses.field(default_factory=list)
+    # one frame per jaxpr being evaluated: where its variables come from in the original program (epilogue rule)
+    frames: list[Frame] = dataclasses.field(default_factory=list)
+    # the traceback of the inline helper call whose body is being rewritten (its equations take it, as JAX's
+    # inlining gives them); empty at the top level
+    tracebacks: list[Any] = dataclasses.field(default_factory=list)
+    # what to do with an equation: higher-order primitive -> handler; every other equation -> leaf
+    handlers: Mapping[Any, Handler] = dataclasses.field(default_factory=dict)
+    leaf: Leaf | None = None
+    # whether ``leaf`` binds an equation as written when its inputs have their original types
+    keeps: Callable[[JaxprEqn, Context, Policy], bool] | None = None
+    # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._float8._state)
+    fp8_sites: Any = None
+    # explain(compare=True): the reference run beside this one (``_compare.Comparison``); None otherwise
+    compare: Any = None
+    # why the equations of the body being rewritten run under ``policy`` when an enclosing rule chose it
+    # (a float32 custom_linear_solve's bodies): the ``detail`` of their explain rows
+    reason: str = ""
+    # the float8 scope rule: id(body jaxpr) -> which of its inputs are weights, for the bodies of the
+    # higher-order equation being rewritten (``_weights.body_weights``)
+    weights_in: Mapping[int, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
+
+    def resolve(self, scope: str) -> tuple[str, Policy]:
+        """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
+        if REGION_SCOPE in scope:
+            return "nested", self.policy
+        best, where = None, -1
+        for key, pol in self.overrides:
+            pos = _scopes.find_key(scope, key)
+            if pos > where:
+                best, where = pol, pos
+        if best is not None:
+            return "override", best
+        return "default", self.policy
+
+    def record(self, **fields: Any) -> None:
+        if self.records is not None:
+            if self.reason and not fields.get("detail"):
+                fields["detail"] = self.reason
+            full = fields.pop("source")
+            row = OpRecord(index=len(self.records), source=short_source(full), source_full=full, **fields)
+            self.records.append(row)
+
+
+def _names(avals: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(dtype_name(a.dtype) for a in avals if hasattr(a, "dtype"))
+
+
+def float_names(avals: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(n for n in _names(avals) if n.startswith(("float", "bfloat")))
+
+
+def source_of(eqn: JaxprEqn, ctx: Context) -> str:
+    """The user's source line of ``eqn`` (inside an inline helper: of the helper's call)."""
+    return _rows.source(eqn, ctx.tracebacks[-1] if ctx.tracebacks else None)
+
+
+def record_eqn(
+    eqn: JaxprEqn,
+    ctx: Context,
+    scope: str,
+    category: str,
+    invals: Sequence[Any],
+    outs: Sequence[Any],
+    detail: str = "",
+    why: str = "",
+):
+    """Adds an explain row for ``eqn`` (when recording); ``why``: the float8 scope rule's reason."""
+    if ctx.records is None:
+        return
+    ctx.record(
+        op=eqn.primitive.name,
+        source=source_of(eqn, ctx),
+        scope=scope,
+        category=category,
+        in_before=float_names([v.aval for v in eqn.invars]),
+        in_after=float_names([aval_of(x) for x in invals]),
+        out_before=float_names([v.aval for v in eqn.outvars]),
+        out_after=float_names([aval_of(x) for x in outs]),
+        flops=_rows.flops(eqn),
+        detail=detail,
+        why=why,
+    )
+
+
+Handler = Callable[[JaxprEqn, list[Any], Context, str], list[Any]]
+Leaf = Callable[[JaxprEqn, list[Any], Context, str, Policy], list[Any]]

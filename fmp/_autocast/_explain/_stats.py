@@ -1,0 +1,153 @@
+"""Error statistics of one equation's outputs against the reference run (JAX arrays); the formulas and the
+fix to suggest are ``fmp._report._compare``'s, shared with the torch side.
+
+The statistics are computed without waiting for the device: ``Deferred`` starts them (large arrays
+reduced by a small compiled function to plain sums of squares, small ones copied as they are) and
+``resolve`` fetches every started statistic in one transfer, so a comparison streams through the
+program instead of stopping at each op. Where the plain sums are not exact enough (a non-finite value,
+a sum that overflows or underflows, all rare), ``resolve`` recomputes the scaled statistics of
+``array_parts`` from the arrays, which a ``Deferred`` holds until it is resolved (``held``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fmp._report._compare import array_parts, combine, needs_fix, suggestion
+
+__all__ = ["Deferred", "needs_fix", "output_stats", "resolve", "suggestion"]
+
+Stats = tuple[Any, Any, Any, bool, int]
+
+
+def _kind(x: Any) -> str:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return ""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:  # an extended dtype (PRNG keys): not compared
+        return ""
+    if dt.kind == "f" or dt.name == "bfloat16" or dt.name.startswith("float8"):
+        return "float"
+    return "discrete" if dt.kind in "iub" else ""
+
+
+class Deferred:
+    """``output_stats`` of ``outs`` against ``refs``, started on the device; ``value`` once resolved."""
+
+    def __init__(self, outs: Sequence[Any], refs: Sequence[Any]) -> None:
+        self.device: list[Any] = []  # (plain sums, p, r, wide) of the large floating outputs
+        self.host: list[tuple[Any, Any]] = []  # small floating outputs and their references, reduced on the host
+        self.discrete: list[tuple[Any, Any]] = []
+        self.value: Stats | None = None
+        for p, r in zip(outs, refs, strict=True):
+            kind = _kind(r)
+            if kind == "discrete":
+                self.discrete.append((p, r))
+            if kind != "float" or _kind(p) != "float":
+                continue
+            wide = jnp.float64 if "float64" in (np.dtype(p.dtype).name, np.dtype(r.dtype).name) else jnp.float32
+            if np.size(r) >= _ON_DEVICE:
+                self.device.append((_plain_sums(p, r, wide), p, r, wide))
+            else:
+                self.host.append((p, r))
+
+    @classmethod
+    def exact(cls, outs: Sequence[Any]) -> Deferred:
+        """The statistics of ``outs`` against themselves: no error, nothing to fetch."""
+        done = cls([], [])
+        floats = any(_kind(x) == "float" for x in outs)
+        done.value = (0.0, float("inf"), 0.0, False, 0) if floats else combine([], 0)
+        return done
+
+    def result(self) -> Stats:
+        """The statistics, once ``resolve`` has fetched them."""
+        if self.value is None:
+            raise RuntimeError("fmp.explain(compare=True): statistics read before they were resolved")
+        return self.value
+
+    @property
+    def held(self) -> int:
+        """Bytes of the large arrays held until ``resolve``."""
+        return sum(p.nbytes + r.nbytes for _, p, r, _ in self.device)
+
+    def _pending(self) -> list[Any]:
+        return [[sums for sums, _, _, _ in self.device], self.host, self.discrete]
+
+    def _finish(self, fetched: list[Any], scaled: dict[int, Any]) -> None:
+        device, host, discrete = fetched
+        flips = sum(int(np.count_nonzero(np.asarray(p) != np.asarray(r))) for p, r in discrete)
+        parts = [scaled.get(id(d), _from_sums(*sums)) for d, sums in zip(self.device, device, strict=True)]
+        self.value = combine([*parts, *(_float_stats_np(p, r) for p, r in host)], flips)
+        self.device, self.host, self.discrete = [], [], []
+
+
+def resolve(deferred: Sequence[Deferred]) -> None:
+    """Fetches the statistics of every unresolved ``Deferred`` in one transfer and sets their ``value``."""
+    todo = [d for d in deferred if d.value is None]
+    fetched = jax.device_get([d._pending() for d in todo])
+    redo = {
+        id(entry): _float_stats(entry[1], entry[2], entry[3])
+        for d, got in zip(todo, fetched, strict=True)
+        for entry, sums in zip(d.device, got[0], strict=True)
+        if not _plain(sums, entry[3])
+    }
+    scaled = jax.device_get(redo)
+    for d, got in zip(todo, fetched, strict=True):
+        d._finish(got, scaled)
+
+
+def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> Stats:
+    """``(error, sqnr_db, max_abs_error, nonfinite, flips)`` of ``outs`` against ``refs``.
+
+    ``error`` is the relative L2 error over all floating outputs (``None`` when
+    there are none); ``nonfinite`` says an inf/NaN appeared where the reference
+    is finite (then ``error`` is inf); ``flips`` counts changed integer and
+    boolean elements. Sums of squares are scaled, so no value overflows them.
+    """
+    d = Deferred(outs, refs)
+    resolve([d])
+    return d.result()
+
+
+_ON_DEVICE = 1 << 16  # elements from which the statistics run compiled, not in NumPy
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _plain_sums(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
+    """Sums of squares of the reference and of the difference, and the largest difference: three reductions."""
+    p, r = p.astype(wide), r.astype(wide)
+    d = p - r
+    return jnp.sum(r * r), jnp.sum(d * d), jnp.max(jnp.abs(d), initial=0.0)
+
+
+def _plain(sums: Any, wide: Any) -> bool:
+    """The plain sums are exact enough: every term finite, and each sum so large that the squares flushed
+    below the smallest normal number cost it at most 2^-20 of itself."""
+    s_r, s_d, _ = (float(x) for x in sums)
+    low = float(jnp.finfo(wide).tiny) ** 0.625
+    return math.isfinite(s_r) and math.isfinite(s_d) and s_r >= low and (s_d == 0.0 or s_d >= low)
+
+
+def _from_sums(s_r: Any, s_d: Any, d_max: Any) -> tuple[Any, ...]:
+    """The plain sums in ``array_parts``' form (sums scaled by the largest value)."""
+    d_max = float(d_max)
+    return 1.0, float(s_r), d_max, float(s_d) / (d_max * d_max) if d_max > 0 else 0.0, False, False
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _float_stats(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
+    return array_parts(jnp, p.astype(wide), r.astype(wide))
+
+
+def _float_stats_np(p: Any, r: Any) -> tuple[Any, ...]:
+    with np.errstate(all="ignore"):
+        return array_parts(np, np.asarray(p).astype(np.float64), np.asarray(r).astype(np.float64))

@@ -1,0 +1,148 @@
+"""Handlers for the call-like higher-order primitives: linear solves, plain calls, composites.
+
+Registered into the handler table next to the loop and custom-derivative
+handlers (``_hops.HANDLERS``). Every primitive that carries a sub-jaxpr is
+either rewritten here or in ``_hops``, kept as written (``_transform.OPAQUE``:
+scalar combiners of reductions and scatters), or refused with an error that
+names it (``REFUSED``); ``tests/test_autocast_hops_calls.py`` enumerates
+the installed JAX's primitives and fails on one that is in none of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.extend.core import ClosedJaxpr, JaxprEqn
+
+from fmp._autocast._engine import _jax_internals
+from fmp._autocast._engine._cast import restore
+from fmp._autocast._engine._context import Context, Handler, like_avals
+from fmp._autocast._engine._interp import bind, transform_closed
+from fmp._autocast._hops import _float8_rows
+from fmp._core._rules import Category
+from fmp._policy import get_policy
+
+
+def _pinned(closed: ClosedJaxpr, ctx: Context, scope: str) -> ClosedJaxpr:
+    """``closed`` rewritten with its own input and output dtypes kept at the boundary."""
+    outs = [a.dtype if hasattr(a, "dtype") else None for a in closed.out_avals]
+    return transform_closed(closed, closed.in_avals, ctx, scope, outs)
+
+
+def _linear_solve(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """``custom_linear_solve`` (``jnp.linalg.solve``, ``inv``, ``lax.custom_root``'s jvp).
+
+    Its four jaxprs (matvec, vecmat, solve, transpose_solve) are each
+    rewritten with the types of the original program at their boundary, so the
+    primitive's own differentiation and transposition rules still apply. The
+    rule table decides the policy of the bodies: ``custom_linear_solve`` is in
+    the float32 category by default, so the bodies run under a float32 policy
+    (a solve in bfloat16 loses all precision); moved to another category they
+    run under the caller's policy.
+    """
+    name = eqn.primitive.name
+    if ctx.rules.category(name) is Category.FLOAT32:
+        why = f"inside {name}: its bodies run in float32 by the rule table ({name} is in the float32 category)"
+        ctx = dataclasses.replace(ctx, policy=get_policy("float32"), reason=why)
+    jaxprs = eqn.params["jaxprs"]
+    new = type(jaxprs)(*(None if j is None else _pinned(j, ctx, scope) for j in jaxprs))
+    return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, jaxprs=new))
+
+
+def _closed_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """``closed_call`` (``core.closed_call_p``): the body is rewritten for the current input dtypes."""
+    closed: ClosedJaxpr = eqn.params["call_jaxpr"]
+    new, invals = _call_body(closed, invals, ctx, scope)
+    return bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+
+
+def _call_body(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> tuple[ClosedJaxpr, list[Any]]:
+    """A call's body rewritten for the current input dtypes, and its inputs (plus its float8 history rows)."""
+    avals = like_avals(list(closed.in_avals), invals)
+    ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
+    new = transform_closed(closed, avals, ctx, scope, rows=rows)
+    return new, invals if block is None else [*invals, block]
+
+
+def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """``call`` (``core.call_p``, an open jaxpr): rewritten like ``closed_call``."""
+    closed = ClosedJaxpr(eqn.params["call_jaxpr"], ())
+    new, invals = _call_body(closed, invals, ctx, scope)
+    if new.consts:  # a rewrite that created constants: hand them in as a closed call instead
+        return bind_closed_call(new, invals)
+    return bind(eqn, invals, dict(eqn.params, call_jaxpr=new.jaxpr))
+
+
+def bind_closed_call(closed: ClosedJaxpr, invals: list[Any]) -> list[Any]:
+    prim = _jax_internals.closed_call_p
+    return list(prim.bind(*invals, **prim.get_bind_params({"call_jaxpr": closed})))
+
+
+def _composite(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """``lax.composite``: the decomposition is rewritten with its original boundary types.
+
+    A backend that replaces the composite by its own kernel sees the name and
+    attributes it was written for, with the inputs it declared.
+    """
+    closed: ClosedJaxpr = eqn.params["jaxpr"]
+    return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, jaxpr=_pinned(closed, ctx, scope)))
+
+
+# Primitives with a sub-jaxpr (or a traced function) that fmp does not rewrite, with the reason given in the
+# error. They appear in user programs only through the APIs named.
+REFUSED: dict[str, str] = {
+    "run_state": "stateful references (jax.experimental's run_state / discharge) cannot be retyped",
+    "custom_vmap_call": "jax.custom_batching.custom_vmap's batching rule is typed for the original dtypes",
+    "linear_call": "jax.custom_derivatives.linear_call's transpose rule is typed for the original dtypes",
+    "custom_lin": "an internal of JAX's autodiff, not expected in a user program",
+    "remat_opt": "an internal of JAX's checkpoint optimisation, not expected in a user program",
+    "custom_transpose_call": "jax.custom_transpose's transpose rule is typed for the original dtypes",
+    "eval_jaxpr": "an internal staging primitive of JAX, not expected in a user program",
+    "call_hi_primitive": "a JAX 'hijax' primitive, typed by its own rules",
+    "call_hi_primitive_linearized": "a JAX 'hijax' primitive, typed by its own rules",
+}
+
+# Kernels compiled or partitioned for the dtypes they were written in: they run exactly as written, their
+# floating inputs first given back the dtypes of the original program (like the opaque primitives).
+AS_WRITTEN: dict[str, str] = {
+    "core_map": "a Pallas kernel",
+    "cudnn_fusion": "a cuDNN fusion",
+    "call_exported": "a jax.export'ed function, serialised for fixed input dtypes",
+    "custom_partitioning": "jax.experimental.custom_partitioning, whose partitioner is typed for its inputs",
+}
+
+_MSG_REFUSED = (
+    "fmp.autocast: primitive {name!r} carries a sub-jaxpr or traced rule that fmp does not rewrite ({why}). "
+    "Move this call outside the autocast function, or wrap it in fmp.autocast(..., enabled=False) "
+    "to run it exactly as written."
+)
+
+
+def _refuse(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    name = eqn.primitive.name
+    raise NotImplementedError(_MSG_REFUSED.format(name=name, why=REFUSED.get(name, "unknown to fmp")))
+
+
+def _as_written(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    return bind(eqn, restore(eqn, invals, ctx, scope), eqn.params)
+
+
+def handlers() -> dict[Any, Handler]:
+    """The handlers of this module, keyed by primitive (refused ones raise)."""
+    prims = _jax_internals.primitives_by_name()
+    out: dict[Any, Handler] = {}
+    # ``closed_call`` by its object: JAX releases disagree on its name. A name this JAX lacks has nothing to
+    # handle (a primitive no handler knows is refused by the interpreter, never run unrewritten).
+    if _jax_internals.closed_call_p is not _jax_internals.jit_p:
+        out[_jax_internals.closed_call_p] = _closed_call
+    for name, handler in (("custom_linear_solve", _linear_solve), ("call", _call), ("composite", _composite)):
+        if name in prims:
+            out[prims[name]] = handler
+    for name in REFUSED:
+        if name in prims:
+            out[prims[name]] = _refuse
+    for name in AS_WRITTEN:
+        if name in prims:
+            out[prims[name]] = _as_written
+    return out

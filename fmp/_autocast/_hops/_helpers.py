@@ -1,0 +1,206 @@
+"""jnp's small jitted helpers: kept as calls where that decides exactly as inlining them would.
+
+``jnp.add``, ``matmul``, ``einsum``, ``mean``, ``where``... are
+``jit(..., inline=True)`` functions; JAX inlines them when it stages a
+program, and autocast traces the user's function with them kept as ``jit``
+equations instead (``_jax_internals.keep_inline_calls``). Each is then either
+
+- **kept**: its body is rewritten once per input types (memoised, so repeated
+  layers and repeated traces get the same rewritten object) and bound as a
+  call, which lets JAX reuse its cached differentiation of that body, the
+  larger part of the cost of tracing ``grad`` of an autocast function; or
+- **inlined** here, exactly as JAX would have inlined it.
+
+A helper is kept only where its body, rewritten on its own, makes the same
+decisions as inlined (``keep_call``: the one rule that looks into the
+caller's program, the epilogue rule, is handed its answer from there); a test
+compares the two over whole models. Scalar constants passed to a helper (``x * 0.5``) are folded into its
+body first (``_specialise``), as JAX's inlining folds them, so the rule that a
+scalar literal follows the other operand still sees a literal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, jaxpr_as_fun
+from jax.extend.core.primitives import convert_element_type_p
+
+from fmp._autocast._engine import _constants, _jax_internals
+from fmp._autocast._engine._cast import cast
+from fmp._autocast._engine._context import Context, aval_of, is_castable, is_scalar_constant, like_avals
+from fmp._autocast._engine._interp import bind, eval_jaxpr, transform_closed
+from fmp._autocast._engine._lru import LRU
+from fmp._autocast._engine._provenance import (
+    epilogue_eqns_at_inputs,
+    epilogue_sides,
+    frame_of,
+    returned_inputs,
+    used_once,
+)
+from fmp._core._rules import Category
+
+# False: every helper is inlined (the reference the kept calls are tested against)
+KEEP_HELPERS = True
+
+_LOW = (Category.LOWER_PRECISION, Category.FLOAT8)
+
+
+def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """Rewrites one inline helper call: kept as a call with a rewritten body, or inlined."""
+    ctx.tracebacks.append(ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback)
+    try:
+        closed, operands, params, args = eqn.params["jaxpr"], list(eqn.invars), dict(eqn.params), list(invals)
+        if _can_keep(ctx) and any(is_scalar_constant(x) for x in invals):
+            closed, operands, params, args = _specialise(eqn, invals)
+        hints = keep_call(closed, operands, args, ctx)
+        if hints is None:
+            orig = eqn.params["jaxpr"]
+            return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
+        mark = None if ctx.records is None else len(ctx.records)
+        new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
+        entry = _entry_casts_of(new) if _can_hoist(ctx, scope, closed.jaxpr) else {}
+        # a value used once keeps its cast in the body; one used again has it here, shared with those uses
+        entry = {i: d for i, d in entry.items() if not used_once(operands[i], ctx.frames[-1])}
+        if entry:
+            if mark is not None and ctx.records is not None:
+                del ctx.records[mark:]
+            args = [cast(x, entry[i], ctx, eqn, scope) if i in entry else x for i, x in enumerate(args)]
+            new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
+    finally:
+        ctx.tracebacks.pop()
+    return bind(eqn, args, dict(params, jaxpr=new))
+
+
+_ENTRY = LRU(1024)  # id(rewritten body) -> (body, its entry casts); holds the body, so its id is not reused
+
+
+def _entry_casts_of(body: ClosedJaxpr) -> dict[int, Any]:
+    return _ENTRY.of(body, id(body), lambda: _entry_casts(body))
+
+
+def _can_keep(ctx: Context) -> bool:
+    # float8: delayed-scaling sites are numbered in the flat program, so every helper is inlined;
+    # explain: its rows describe the inlined program (the kept calls decide the same, but a row per cast
+    # and per folded literal is what a reader compares with the source)
+    fp8 = ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.overrides)
+    return KEEP_HELPERS and not fp8 and ctx.records is None and bool(ctx.frames)
+
+
+def _can_hoist(ctx: Context, scope: str, body: Any) -> bool:
+    # under an override or inside a nested region the body restores its inputs' original dtypes first, so a
+    # cast moved to the call would be undone there (a round trip that changes gradients under jit); a body
+    # that opens scopes of its own may hold such equations
+    if ctx.resolve(scope)[0] != "default":
+        return False
+    return not ctx.overrides or not any(str(e.source_info.name_stack) for e in body.eqns)
+
+
+def keep_call(
+    closed: ClosedJaxpr, operands: list[Any], invals: list[Any], ctx: Context
+) -> tuple[tuple[int, tuple[str, str]], ...] | None:
+    """How ``closed`` (a helper body called with ``operands``) is rewritten alone to decide as inlined.
+
+    None: inline it (float8 runs, see ``_can_keep``; a scalar constant is
+    still an operand; or the body holds an inline call of its own). Otherwise
+    the epilogue hints for the body: the epilogue test of each of its
+    equations that sees through its inputs, run in the caller's program
+    where that differs from the test on the body alone (``x @ w + b`` with
+    ``+`` in its own helper).
+    """
+    if not _can_keep(ctx) or any(is_scalar_constant(x) for x in invals):
+        return None
+    body = closed.jaxpr
+    if returned_inputs(body):
+        return None  # inlined, an output is the input itself (jnp.real, squeeze of no axes): casts of it are shared
+    if any(_huge_constant(v, ctx) for v in operands):
+        return None  # inlined: the body alone would not see that the operand is a constant (_leaf)
+    at_inputs = epilogue_eqns_at_inputs(body, ctx.rules.jax_epilogue)
+    if at_inputs is None:
+        return None
+    if not at_inputs:
+        return ()
+    inlined, alone = frame_of(body, ctx.frames[-1], operands), frame_of(body)
+
+    def is_low(name: str) -> bool:
+        return ctx.rules.category(name) in _LOW
+
+    hints = []
+    for n, e in at_inputs:
+        sides = epilogue_sides(e, inlined, is_low)
+        if sides != epilogue_sides(e, alone, is_low):
+            hints.append((n, sides))
+    return tuple(hints)
+
+
+def _huge_constant(var: Any, ctx: Context) -> bool:
+    """``var`` is a constant the compute dtype cannot hold (``_constants``)."""
+    if not hasattr(var.aval, "dtype") or not is_castable(var.aval.dtype) or not ctx.frames:
+        return False
+    magnitude = _constants.bound(var, ctx.frames[-1])
+    return magnitude is not None and _constants.overflows(magnitude, ctx.policy.compute_dtype.name)
+
+
+def _entry_casts(body: ClosedJaxpr) -> dict[int, Any]:
+    """``{input index: dtype}`` for the inputs a rewritten body only ever casts, all to one dtype.
+
+    Inlined, such a cast would share the caller's cast cache (one cast of a
+    value for all its uses, one sum of their gradients in the wider dtype);
+    cast at the call instead, it still does.
+    """
+    index = {v: i for i, v in enumerate(body.jaxpr.invars)}
+    to: dict[int, Any] = {}
+    bad: set[int] = {index[v] for v in body.jaxpr.outvars if not isinstance(v, Literal) and v in index}
+    for e in body.jaxpr.eqns:
+        for v in e.invars:
+            i = None if isinstance(v, Literal) else index.get(v)
+            if i is None:
+                continue
+            if e.primitive is convert_element_type_p and is_castable(e.params["new_dtype"]):
+                if to.setdefault(i, e.params["new_dtype"]) != e.params["new_dtype"]:
+                    bad.add(i)
+            else:
+                bad.add(i)
+    return {i: d for i, d in to.items() if i not in bad}
+
+
+# The per-invar parameters of a ``jit`` equation (one entry per operand).
+_PER_OPERAND = ("in_shardings", "in_layouts", "donated_invars")
+
+# (id(body), constants) -> (body, specialised body); holds the body, so its id is not reused while cached
+_SPECIAL = LRU(1024)
+
+
+def _exact(x: Any) -> tuple[str, bytes]:
+    """A scalar constant's exact value (its ``repr`` follows NumPy's print precision: 0.00012345 and
+    0.000123454 print alike)."""
+    a = np.asarray(x)
+    return a.dtype.str, a.tobytes()
+
+
+def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any], dict[str, Any], list[Any]]:
+    """The helper with its scalar-constant operands folded into its body: ``(body, operands, params, args)``.
+
+    The body is re-traced with the constants in place (JAX folds their casts
+    into literals, as its inlining does) and memoised per body and constants.
+    """
+    closed: ClosedJaxpr = eqn.params["jaxpr"]
+    fixed = {i: x for i, x in enumerate(invals) if is_scalar_constant(x)}
+    keep = [i for i in range(len(invals)) if i not in fixed]
+
+    def specialised(*xs: Any) -> list[Any]:
+        it = iter(xs)
+        return list(jaxpr_as_fun(closed)(*[fixed[i] if i in fixed else next(it) for i in range(len(invals))]))
+
+    key = (id(closed), tuple((i, type(x).__name__, _exact(x), str(aval_of(x))) for i, x in fixed.items()))
+    body = _SPECIAL.of(
+        closed,
+        key,
+        lambda: _jax_internals.trace_to_closed_jaxpr(specialised, [closed.in_avals[i] for i in keep], "fmp.autocast"),
+    )
+    params = dict(eqn.params)
+    for name in _PER_OPERAND:
+        if name in params:
+            params[name] = tuple(params[name][i] for i in keep)
+    return body, [eqn.invars[i] for i in keep], params, [invals[i] for i in keep]

@@ -1,0 +1,208 @@
+"""``Float8Recipe``: how a float8 matmul chooses its scales (static configuration)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import numpy as np
+
+SCALINGS = ("tensorwise", "rowwise", "blockwise", "delayed", "mx")
+GRAD_DTYPES = ("float8_e5m2", "float8_e4m3fn")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+# The peers' named recipes as fmp options: what each peer's own recipe does, in fmp's terms (the float8
+# guide's "Recipes from other libraries" table describes them; tests/test_float8_peers.py checks them).
+PEER_RECIPES: dict[str, dict[str, Any]] = {
+    # torchao Float8LinearConfig.from_recipe_name("tensorwise"): exact scales, e5m2 gradients
+    "torchao_tensorwise": {"scaling": "tensorwise", "pow2_scales": False, "grad_dtype": "float8_e5m2"},
+    # torchao Float8LinearConfig.from_recipe_name("rowwise"): power-of-two scales, e4m3 gradients
+    "torchao_rowwise": {"scaling": "rowwise", "pow2_scales": True, "grad_dtype": "float8_e4m3fn"},
+    # Transformer Engine DelayedScaling(): HYBRID format, amax_history_len=1024, "max", margin 0, exact scales
+    "te_delayed": {
+        "scaling": "delayed",
+        "pow2_scales": False,
+        "grad_dtype": "float8_e5m2",
+        "history_len": 1024,
+        "amax_compute_algo": "max",
+        "margin": 0,
+    },
+}
+
+_MSG_SCALING = (
+    "Float8Recipe(scaling=...) must be one of {choices}, got {got!r}. 'tensorwise' (one scale per tensor, from "
+    "the value itself) is the default and the safe start; 'rowwise' and 'blockwise' keep outliers from crushing "
+    "the rest of a tensor; 'delayed' reads scales from an fmp.Float8State; 'mx' needs a GPU."
+)
+_MSG_GRAD_DTYPE = (
+    "Float8Recipe(grad_dtype=...) must be one of {choices} (or the jnp dtype), got {got!r}. 'float8_e5m2' "
+    "(the default) has the range gradients usually need; 'float8_e4m3fn' has one more mantissa bit "
+    "(torchao's rowwise recipe and DeepSeek-V3 quantise gradients to it)."
+)
+_MSG_PEER = (
+    "Float8Recipe.from_peer(name) knows {choices}, got {got!r}. Each is a peer library's named recipe "
+    "(see the float8 guide's recipe table); for anything else build fmp.Float8Recipe(...) directly."
+)
+
+
+def _dtype_name(value: object) -> object:
+    """A float8 dtype given as a name, a NumPy/JAX dtype or scalar type -> its name; anything else as is."""
+    if isinstance(value, str):
+        return value.strip().lower()
+    try:
+        return np.dtype(value).name  # type: ignore[call-overload]
+    except TypeError:
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """The scaling recipe of a float8 policy: static, hashable configuration.
+
+    Every recipe quantises the forward operands of a matmul to ``float8_e4m3fn``
+    and the output gradient of both backward matmuls to ``grad_dtype``
+    (``float8_e5m2`` unless chosen otherwise), with a saturating cast (finite values
+    beyond the float8 maximum become the maximum; an inf or NaN makes its tensor, row or
+    block NaN, so that an overflow stays visible), and
+    undoes the scales on the result; products accumulate in float32.
+
+    Args:
+      scaling: ``"tensorwise"`` (one scale per tensor from its amax, ``fp8_max / amax``,
+        computed from the value: current scaling), ``"rowwise"`` (one scale per row of each operand,
+        i.e. per index of its non-contracting dimensions), ``"blockwise"`` (activations
+        and gradients in ``1 x block_size`` tiles along each product's contraction, the
+        weight in ``block_size x block_size`` blocks), ``"delayed"`` (per-tensor scales
+        from an amax history kept in ``fmp.Float8State``) or ``"mx"`` (32-element
+        MX blocks through ``jax.nn.scaled_dot_general``; GPU only).
+      block_size: The tile edge of ``"blockwise"``.
+      pow2_scales: Round every scale down to a power of two, so that scaling is exact
+        in float32 (the quantised matmul then equals the dequantised one bit for bit)
+        and a value that float8 holds exactly (a pixel ``k / 16``, a one-hot) stays exact.
+        On by default (as in torchao's rowwise recipe and the MX formats; torchao's tensorwise
+        and Transformer Engine's delayed recipes default to the exact ``fp8_max / amax``):
+        trained on digits, every recipe landed closer to bfloat16 with it (see the float8
+        guide). ``False`` gives the exact ``fp8_max / amax``. ``"mx"`` ignores it: MX blocks
+        always have power-of-two scales.
+      history_len: For ``"delayed"``: how many steps of amax history a site keeps.
+      margin: For ``"delayed"``: scales are divided by ``2**margin`` (0 to 64).
+      grad_dtype: The float8 format of the output gradient in both backward products:
+        ``"float8_e5m2"`` (the default: 5 exponent bits, largest value 57344) or
+        ``"float8_e4m3fn"`` (one more mantissa bit, largest value 448; torchao's rowwise
+        recipe and DeepSeek-V3 use it). A jnp dtype is accepted too.
+      amax_compute_algo: For ``"delayed"``: the amax a scale comes from, ``"max"`` (the
+        largest of the history, the default) or ``"most_recent"`` (the last step's), as
+        Transformer Engine's ``DelayedScaling`` names them.
+      output: ``"compute"``: matmul results come out in the policy's compute dtype, as
+        under the bfloat16 policy; ``"float32"``: in float32.
+      activations: Which matmuls and convolutions run in float8. ``False`` (the default, as
+        torchao, Transformer Engine and flax do): only those with a weight operand, an input
+        of the autocast function (a parameter leaf) or a constant, seen through casts,
+        reshapes, transposes, broadcasts, slices and scan slices; attention's activation x
+        activation products (``q @ k.T``, ``p @ v``) stay in the compute dtype.
+        ``True``: every matmul and convolution.
+      emulate: How a tensorwise, rowwise or delayed matmul is computed. ``None`` (the default):
+        as a float8 GEMM where the device has one (a GPU of compute capability 8.9 or newer),
+        emulated elsewhere (a CPU). ``False``: float8 operands go into the matmul, which
+        accumulates in float32, and the inverse scales multiply its result (the form of
+        ``torch._scaled_mm``, which torchao uses; on a CPU, XLA widens the float8 operands
+        itself). ``True``: each operand is dequantised to float32 before a float32 matmul
+        (torchao's ``emulate=True``; bit for bit with it). With power-of-two scales both forms
+        give the same bits on a CPU; a GPU's float8 GEMM accumulates in its own order and
+        precision. Blockwise always dequantises first and ``"mx"`` always runs
+        ``scaled_dot_general``.
+
+    Examples:
+      >>> fmp.Float8Recipe("rowwise").scaling
+      'rowwise'
+      >>> fmp.Float8Recipe("rowwise", grad_dtype="float8_e4m3fn").grad_dtype
+      'float8_e4m3fn'
+      >>> fmp.Float8Recipe("tensorwise").activations
+      False
+      >>> str(fmp.get_policy("mixed_float8"))
+      'params=float32,compute=bfloat16,output=float32,fp8=tensorwise'
+    """
+
+    scaling: str = "tensorwise"
+    block_size: int = 128
+    pow2_scales: bool = True
+    history_len: int = 16
+    margin: int = 0
+    output: str = "compute"
+    grad_dtype: str = "float8_e5m2"
+    amax_compute_algo: str = "max"
+    activations: bool = False
+    emulate: bool | None = None
+    PEERS: ClassVar[tuple[str, ...]] = tuple(PEER_RECIPES)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grad_dtype", _dtype_name(self.grad_dtype))
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(_MSG_GRAD_DTYPE.format(choices=", ".join(map(repr, GRAD_DTYPES)), got=self.grad_dtype))
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"Float8Recipe(amax_compute_algo=...) must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+            )
+        if self.scaling not in SCALINGS:
+            raise ValueError(_MSG_SCALING.format(choices=", ".join(SCALINGS), got=self.scaling))
+        for name in ("block_size", "history_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Float8Recipe({name}=...) must be a positive int, got {value!r}")
+        if not isinstance(self.pow2_scales, bool):
+            raise ValueError(f"Float8Recipe(pow2_scales=...) must be True or False, got {self.pow2_scales!r}")
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool) or not 0 <= self.margin <= 64:
+            raise ValueError(f"Float8Recipe(margin=...) must be an int from 0 to 64 (usually 0-2), got {self.margin!r}")
+        if not isinstance(self.activations, bool):
+            raise ValueError(f"Float8Recipe(activations=...) must be True or False, got {self.activations!r}")
+        if self.emulate not in (None, True, False):
+            raise ValueError(f"Float8Recipe(emulate=...) must be None, True or False, got {self.emulate!r}")
+        if self.output not in ("compute", "float32"):
+            raise ValueError(f"Float8Recipe(output=...) must be 'compute' or 'float32', got {self.output!r}")
+
+    def __str__(self) -> str:
+        return self.scaling
+
+    @classmethod
+    def from_peer(cls, name: str, **changes: Any) -> Float8Recipe:
+        """A peer library's named recipe: ``"torchao_tensorwise"``, ``"torchao_rowwise"`` or ``"te_delayed"``.
+
+        ``torchao_tensorwise`` and ``torchao_rowwise`` equal torchao's
+        ``Float8LinearConfig.from_recipe_name("tensorwise" / "rowwise")`` (exact scales and e5m2
+        gradients; power-of-two scales and e4m3 gradients); ``te_delayed`` is Transformer Engine's
+        ``DelayedScaling()`` (history of 1024 steps, ``amax_compute_algo="max"``, margin 0, exact
+        scales, e5m2 gradients). ``changes`` override single fields, e.g.
+        ``amax_compute_algo="most_recent"``.
+
+        Args:
+          name: The recipe's name, one of ``fmp.Float8Recipe.PEERS``.
+          **changes: Fields to set differently from the peer's defaults.
+
+        Returns:
+          The ``Float8Recipe``.
+
+        Raises:
+          ValueError: For an unknown name (the message lists the known ones).
+
+        Examples:
+          >>> r = fmp.Float8Recipe.from_peer("torchao_rowwise")
+          >>> r.scaling, r.pow2_scales, r.grad_dtype
+          ('rowwise', True, 'float8_e4m3fn')
+          >>> fmp.Float8Recipe.from_peer("te_delayed", amax_compute_algo="most_recent").history_len
+          1024
+        """
+        key = name.strip().lower() if isinstance(name, str) else name
+        if key not in PEER_RECIPES:
+            raise ValueError(_MSG_PEER.format(choices=", ".join(map(repr, PEER_RECIPES)), got=name))
+        return cls(**{**PEER_RECIPES[key], **changes})
+
+
+def as_recipe(value: object) -> Float8Recipe | None:
+    """``None``, a recipe, or a scaling name -> ``Float8Recipe | None``."""
+    if value is None or isinstance(value, Float8Recipe):
+        return value
+    if isinstance(value, str):
+        return Float8Recipe(value.strip().lower())
+    raise TypeError(
+        f"Policy fp8 must be None, a scaling name ('tensorwise', 'rowwise', ...) or an fmp.Float8Recipe, "
+        f"got {type(value).__name__}"
+    )

@@ -1,0 +1,1 @@
+"""Framework-neutral reports: op records, the text and plot of a report, the gradient report, and the one comparison core that explain (JAX) and explain_fx (torch) share. Imports neither jax nor torch."""

@@ -1,0 +1,247 @@
+"""The per-operation precision report shared by ``fmp.explain`` (JAX) and the torch FX explain.
+
+Framework-neutral: a report is a list of ``OpRecord`` rows plus a summary,
+so a user can put the JAX and the torch precision maps side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from fmp._report._grads import GradReport, format_grads
+from fmp._report._text import format_table, format_worst, worst_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One operation after the rewrite.
+
+    Attributes:
+      index: Position in program order (nested bodies are flattened in order).
+      op: Primitive or op name (``"dot_general"``, ``"aten::mm"``).
+      source: The user's source line, its path relative to the working directory
+        (``"src/model.py:12:8 (forward)"``), or only the file name for a file outside it
+        (``"linear.py:80:4 (__call__)"``); ``""`` when unknown.
+      scope: Name scope / module path the op came from, or ``""``.
+      category: The rule that decided it (a ``Category`` value, or ``"cast"``
+        for a cast fmp inserted, ``"user_cast"`` for one the user wrote,
+        ``"statistic"`` for a jnp reduction's rounding of a float32 statistic
+        back to a low-precision dtype, which fmp drops,
+        ``"nested"`` for an op an inner autocast region decided, ``"opaque"``
+        for one run in its original dtypes as written).
+      in_before, in_after: Floating input dtype names before / after the rewrite.
+      out_before, out_after: Output dtype names before / after the rewrite.
+      flops: Estimated floating-point operations (0 when unknown or negligible).
+      detail: Extra facts about the decision; for a ``float8`` row, the scaling
+        recipe that quantised it (``"tensorwise"``, ``"rowwise"``, ...); for a
+        row inside a body that an enclosing rule runs under another policy (a
+        ``custom_linear_solve``'s bodies run in float32), that rule.
+      why: For a matmul or convolution under a float8 policy, which side of the float8
+        scope rule it fell on and why: ``"weight operand (rhs: input 1)"``,
+        ``"activation x activation (...)"`` or ``"activations=True"``; ``""`` otherwise.
+      source_full: ``source`` with the file's full path.
+      error: With ``compare=True``: relative L2 error of the op's floating
+        outputs against the same values of the program as written (error
+        accumulated so far); ``None`` when not compared.
+      added_error: With ``compare=True``: the error the op adds by itself (the
+        op run in the policy's dtypes on the reference inputs, against the
+        reference output); inf when that alone overflows.
+      sqnr_db: Signal-to-quantisation-noise ratio of the outputs in dB (inf when exact).
+      max_abs_error: Largest absolute difference from the reference.
+      nonfinite: inf/NaN appeared in the policy run where the reference is finite.
+      flips: Changed elements of integer/boolean outputs (``argmax``, ``top_k``
+        indices, comparisons); 0 for floating outputs.
+      suggestion: Code to paste that fixes a large added error (an
+        ``overrides=`` entry or a ``RuleSet.derive`` call), or ``None``.
+      error_mean, added_error_mean: Inside a loop body, the means over the
+        iterations (the fields above hold the worst iteration's); else ``None``.
+      iterations: How many times the row's op ran: the iterations of the loops around it (1 outside loops);
+        under ``compare=True``, 0 for a ``cond`` branch not taken.
+      underflow: A backward row with float16 outputs (``grads=True``): the fraction of the reference
+        values' nonzero elements below float16's normal range at the loss scale (rounded to zero, or
+        subnormal, which fmp's casts flush to zero); else ``None``.
+    """
+
+    index: int
+    op: str
+    source: str
+    scope: str
+    category: str
+    in_before: tuple[str, ...]
+    in_after: tuple[str, ...]
+    out_before: tuple[str, ...]
+    out_after: tuple[str, ...]
+    flops: float = 0.0
+    detail: str = ""
+    source_full: str = ""
+    why: str = ""
+    error: float | None = None
+    added_error: float | None = None
+    sqnr_db: float | None = None
+    max_abs_error: float | None = None
+    nonfinite: bool = False
+    flips: int = 0
+    suggestion: str | None = None
+    error_mean: float | None = None
+    added_error_mean: float | None = None
+    iterations: int = 1
+    underflow: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+LOW = ("bfloat16", "float16")
+_LOCATION = re.compile(r"(?P<path>.+?)(?P<rest>:\d+.*)")
+
+
+def short_source(full: str, root: str | None = None) -> str:
+    """``full`` (``"/path/to/model.py:12:8 (forward)"``) with a short path.
+
+    The path becomes relative to ``root`` (default: the working directory) when the file lies inside it,
+    and the bare file name otherwise (a library in site-packages); anything that is not an absolute
+    path (``"<stdin>:1 (<module>)"``) is returned as is.
+    """
+    m = _LOCATION.fullmatch(full)
+    if m is None or not os.path.isabs(m["path"]):
+        return full
+    path, root = os.path.normpath(m["path"]), os.path.abspath(root or os.getcwd())
+    try:
+        inside = os.path.commonpath([path, root]) == root
+    except ValueError:  # another drive
+        inside = False
+    return (os.path.relpath(path, root) if inside else os.path.basename(path)) + m["rest"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """A precision report: every operation's dtypes after the rewrite, and a summary.
+
+    ``str(report)`` is a readable table; ``report.to_dict()`` a JSON-ready dict.
+    ``compared``: the rows carry errors against the program as written
+    (``fmp.explain(..., compare=True)``); the table then starts with the worst ops.
+    ``grads``: the backward comparison (``grads=True``), else ``None``.
+    """
+
+    records: tuple[OpRecord, ...]
+    policy: str
+    framework: str
+    compared: bool = False
+    grads: GradReport | None = None
+
+    def worst(self, k: int = 10, *, grads: bool = False) -> tuple[OpRecord, ...]:
+        """The ``k`` worst compared rows: rows with non-finite values first, then rows with a suggested fix,
+        each group by decreasing ``added_error`` (then flips, then error) (``grads=True``: of the backward
+        rows)."""
+        if not self.compared:
+            raise ValueError("Report.worst needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
+        return worst_rows(self.grad_rows if grads else self.records, k)
+
+    @property
+    def grad_errors(self) -> dict[str, Any]:
+        """Key path of each gradient leaf -> its ``GradError`` (``grads=True``)."""
+        return dict(self._grads().errors)
+
+    @property
+    def grad_rows(self) -> tuple[OpRecord, ...]:
+        """One compared row per backward operation (``grads=True``)."""
+        return self._grads().rows
+
+    def _grads(self) -> GradReport:
+        if self.grads is None:
+            raise ValueError("the report has no gradients: call fmp.explain(loss, policy, compare=True, grads=True)")
+        return self.grads
+
+    def plot(self, k: int = 10, *, ax: Any = None, path: Any = None) -> Any:
+        """Draws the errors along the program and the ``k`` worst ops (needs matplotlib: the ``plot`` extra).
+
+        Left: every compared op in program order, its ``error`` and ``added_error`` on a log scale, with the
+        unit roundoff of the low-precision dtypes and the worst ops labelled by position, op and scope.
+        Right: the worst ops' ``added_error`` as bars (red where the row has a suggestion).
+
+        Args:
+          k: How many of the worst ops to label and draw as bars.
+          ax: A matplotlib ``Axes`` (the left panel only) or a pair of them; default: a new pyplot
+            figure with both panels (``plt.show()`` shows it).
+          path: Where to save the figure (anything ``Figure.savefig`` takes).
+
+        Returns:
+          The matplotlib ``Figure``.
+
+        Raises:
+          ValueError: The report has no errors (``compare=True`` missing).
+          ModuleNotFoundError: matplotlib is not installed; the message says how to install it.
+
+        Examples:
+          >>> from matplotlib.figure import Figure
+          >>> rules = fmp.DEFAULT_RULES.derive(lower_precision=["exp"])
+          >>> x = jnp.linspace(0.0, 80.0, 64)
+          >>> rep = fmp.explain(lambda x: jnp.exp(x).sum(), rules=rules, compare=True)(x)
+          >>> fig = rep.plot(k=2, ax=Figure().subplots(1, 2))
+          >>> [t.get_text() for t in fig.axes[1].get_yticklabels()]
+          ['#1 exp']
+        """
+        title = f"fmp precision report ({self.framework}, {self.policy})"
+        from fmp._report import _plot  # drawing code (and matplotlib) only when a plot is asked for
+
+        return _plot.plot(self.records, self.worst(k), title=title, ax=ax, path=path)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Totals: FLOPs and their low-precision share, casts inserted, float32 islands."""
+        total = sum(r.flops for r in self.records)
+        low = sum(r.flops for r in self.records if any(d in LOW for d in r.out_after))
+        fp8 = sum(r.flops for r in self.records if r.category == "float8")
+        casts = sum(1 for r in self.records if r.category == "cast")
+        islands = 0
+        inside = False
+        for r in self.records:
+            is_f32 = r.category == "float32" and "float32" in r.out_after
+            if is_f32 and not inside:
+                islands += 1
+            if r.category != "cast":
+                inside = is_f32
+        return {
+            "ops": len(self.records),
+            "flops": total,
+            "low_precision_flops": low,
+            "low_precision_flop_share": (low / total) if total else 0.0,
+            "float8_flops": fp8,
+            "float8_flop_share": (fp8 / total) if total else 0.0,
+            "casts_inserted": casts,
+            "float32_islands": islands,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "framework": self.framework,
+            "policy": self.policy,
+            "compared": self.compared,
+            "records": [r.to_dict() for r in self.records],
+            "summary": self.summary,
+            **({"grads": self.grads.to_dict()} if self.grads is not None else {}),
+        }
+
+    def filter(self, *, op: str | None = None, category: str | None = None) -> Report:
+        """The rows of one op name and/or one category."""
+        rows = tuple(
+            r for r in self.records if (op is None or r.op == op) and (category is None or r.category == category)
+        )
+        return dataclasses.replace(self, records=rows)
+
+    def __str__(self) -> str:
+        table = format_table(
+            self.records, self.summary, title=f"fmp precision report ({self.framework}, {self.policy})"
+        )
+        if not self.compared:
+            return table
+        text = f"{format_worst(worst_rows(self.records, 10))}\n\n{table}"
+        if self.grads is not None:
+            text += f"\n\n{format_grads(self.grads)}"
+            if self.grads.rows:
+                back = format_worst(worst_rows(self.grads.rows, 10), title="worst backward ops (vs the lifted backward)")
+                text += f"\n\n{back}"
+        return text

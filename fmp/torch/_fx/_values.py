@@ -1,0 +1,95 @@
+"""The new graph under construction and its values, as fake tensors of one fake mode.
+
+``GraphBuilder`` is the part of the FX rewrite that knows nothing of autocast:
+it emits nodes, computes their values with fake tensors (no compute) and names
+the attributes of the new root module. ``_fx_rewrite.Rewriter`` builds on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from fmp.torch._fx._common import _RUN, _is_tensor
+
+
+class GraphBuilder:
+    """Emits nodes into ``self.graph``; ``self.vals`` maps each new node to its fake value."""
+
+    def __init__(self, fake_mode: FakeTensorMode, attrs: dict[str, Any]) -> None:
+        self.fake_mode = fake_mode
+        self.attrs = attrs  # get_attr target -> object, for the new GraphModule's root
+        self.graph = torch.fx.Graph()
+        self.vals: dict[torch.fx.Node, Any] = {}  # new node -> fake value
+
+    def fake(self, v: Any) -> Any:
+        """``v`` (a value or a structure) with every tensor a fake tensor of ``self.fake_mode``."""
+
+        def leaf(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if isinstance(t, FakeTensor):
+                if t.fake_mode is self.fake_mode:
+                    return t
+                with self.fake_mode:  # recorded by another mode (real-mode traces make one per node)
+                    return torch.empty_strided(
+                        t.shape, t.stride(), dtype=t.dtype, device=t.device, requires_grad=t.requires_grad
+                    )
+            return self.fake_mode.from_tensor(t)
+
+        return pytree.tree_map(leaf, v)
+
+    def value_of(self, a: Any) -> Any:
+        """The fake value of a new-graph argument (a node, a constant or a nested structure)."""
+        return torch.fx.node.map_aggregate(a, lambda x: self.vals.get(x) if isinstance(x, torch.fx.Node) else x)
+
+    def run_fake(self, target: Callable, args: Any, kwargs: Any) -> Any:
+        with self.fake_mode:
+            return target(*self.value_of(args), **self.value_of(kwargs))
+
+    def emit(
+        self,
+        target: Callable,
+        args: tuple,
+        kwargs: dict,
+        like: torch.fx.Node | None,
+        val: Any = _RUN,
+        name: str | None = None,
+    ):
+        value = self.run_fake(target, args, kwargs) if val is _RUN else val
+        if name is None and like is not None:
+            name = like.name
+        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
+        if like is not None:
+            for key in ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr"):
+                if key in like.meta:
+                    node.meta[key] = like.meta[key]
+        self.vals[node] = value
+        if self.vals[node] is not None:
+            node.meta["val"] = self.vals[node]
+        return node
+
+    def retype(self, val: Any, dtype: torch.dtype | None) -> Any:
+        """``val`` with its floating tensors in ``dtype`` (for an op with no fake kernel)."""
+
+        def leaf(v: Any) -> Any:
+            if dtype is not None and _is_tensor(v) and v.dtype.is_floating_point:
+                with self.fake_mode:
+                    return self.fake(v).to(dtype)
+            return v
+
+        if val is None:
+            raise RuntimeError("no value recorded for the node")
+        return pytree.tree_map(leaf, val)
+
+    def fresh_attr(self, base: str) -> str:
+        """An attribute name of the new root module not taken yet."""
+        i = 0
+        while f"{base}_fmp{i}" in self.attrs:
+            i += 1
+        return f"{base}_fmp{i}"
