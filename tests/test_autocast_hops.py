@@ -442,13 +442,13 @@ def test_each_loop_body_and_cond_branch_is_rewritten_once(monkeypatch):
     from fmp._autocast._engine import _interp
 
     seen = []
-    inner = _interp._transform_closed
+    inner = _interp.transform_closed_uncached
 
     def counting(closed, *args, **kwargs):
         seen.append(closed)
         return inner(closed, *args, **kwargs)
 
-    monkeypatch.setattr(_interp, "_transform_closed", counting)
+    monkeypatch.setattr(_interp, "transform_closed_uncached", counting)
     monkeypatch.setattr(_interp, "_CACHE", type(_interp._CACHE)())
 
     def narrowing(x, w):  # a float32 carry the body returns in bfloat16 (a matmul's result)

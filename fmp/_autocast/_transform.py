@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr
 from fmp._autocast import _leaf
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, dtype_name, is_castable
-from fmp._autocast._engine._interp import _transform_closed, eval_jaxpr
+from fmp._autocast._engine._interp import eval_jaxpr, transform_closed_uncached
 from fmp._autocast._hops import _control
 from fmp._core._rules import DEFAULT_RULES, RuleSet
 from fmp._policy import Policy, get_policy
@@ -151,7 +151,7 @@ def _top_out_dtypes(closed: ClosedJaxpr, ctx: Context) -> list[Any]:
 
 def rewrite_top(closed: ClosedJaxpr, ctx: Context) -> ClosedJaxpr:
     """The rewritten program as a new closed jaxpr."""
-    return _transform_closed(closed, closed.in_avals, ctx, "", _top_out_dtypes(closed, ctx))
+    return transform_closed_uncached(closed, closed.in_avals, ctx, "", _top_out_dtypes(closed, ctx))
 
 
 def run_top(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> list[Any]:

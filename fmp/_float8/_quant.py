@@ -14,7 +14,7 @@ from jax import lax
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
-_SCALE_MIN, _SCALE_MAX = 2.0**-126, 2.0**126  # a scale and its inverse stay normal float32 numbers
+SCALE_MIN, SCALE_MAX = 2.0**-126, 2.0**126  # a scale and its inverse stay normal float32 numbers
 F32 = np.float32  # a scalar constant operand (lax broadcasts it)
 
 
@@ -48,7 +48,7 @@ def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool 
     scale = lax.select(ok, lax.div(F32(fp8_max(dtype)), lax.select(ok, amax, one)), one)
     if margin:
         scale = lax.div(scale, F32(2.0**margin))
-    scale = lax.min(F32(_SCALE_MAX), lax.max(F32(_SCALE_MIN), scale))
+    scale = lax.min(F32(SCALE_MAX), lax.max(F32(SCALE_MIN), scale))
     if pow2:  # clear the mantissa bits of a normal positive float32: 2**floor(log2(scale)), exactly
         bits = lax.bitcast_convert_type(scale, jnp.int32)
         bits = lax.bitwise_and(bits, np.int32(0x7F800000))

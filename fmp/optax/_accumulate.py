@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fmp.optax._loss_scaled import _neg_zeros
+from fmp.optax._loss_scaled import neg_zeros
 
 _MSG_EVERY_K = "every_k must be an int >= 1 (micro-batches per effective batch), got {!r}"
 
@@ -118,7 +118,7 @@ def accumulate(
 
         def wait(summed, inner_state, params):
             shapes, _ = jax.eval_shape(finish, summed, inner_state, params)
-            return _neg_zeros(shapes), inner_state
+            return neg_zeros(shapes), inner_state
 
         new_updates, new_inner = jax.lax.cond(emit, finish, wait, summed, state.inner_state, params)
         # reset by selecting zeros: `0 * acc` would keep a NaN forever after an inf micro-batch

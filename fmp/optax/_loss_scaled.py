@@ -12,7 +12,7 @@ from fmp._scaling._finite import all_finite, select_tree
 from fmp._scaling._scaler import GradScaler
 from fmp.optax._checks import check_inner, check_state, check_updates
 
-_MSG_NO_SCALER = (
+MSG_NO_SCALER = (
     "no fmp.optax.loss_scaled state found in opt_state. Build the optimizer with "
     "fmp.optax.loss_scaled(inner) (it may be nested in optax.chain, fmp.optax.accumulate, MultiSteps or inject_hyperparams) "
     "and pass the state returned by its init/update."
@@ -68,7 +68,7 @@ def _counters(skipped: jax.Array, consecutive: jax.Array, finite: jax.Array) -> 
     return skipped, consecutive
 
 
-def _neg_zeros(tree: Any) -> Any:
+def neg_zeros(tree: Any) -> Any:
     # -0.0 is the exact identity of IEEE addition (p + -0.0 == p bit for bit, signed zeros included),
     # so a skipped step leaves params untouched even through optax.apply_updates.
     def leaf(u):
@@ -92,7 +92,7 @@ def _guarded_update(inner, updates, inner_state, params, finite, extra_args, pre
     update_size = sum(x.size for x in jax.tree.leaves(updates))
     if state_size < update_size:
         new_updates, new_inner = inner.update(prepare(updates), inner_state, params, **extra_args)
-        new_updates = select_tree(finite, new_updates, _neg_zeros(new_updates))
+        new_updates = select_tree(finite, new_updates, neg_zeros(new_updates))
         new_inner = select_tree(finite, new_inner, inner_state)
         return new_updates, new_inner
 
@@ -103,7 +103,7 @@ def _guarded_update(inner, updates, inner_state, params, finite, extra_args, pre
 
     def skip(updates, inner_state, params):
         shapes, _ = jax.eval_shape(apply, updates, inner_state, params)
-        return _neg_zeros(shapes), inner_state
+        return neg_zeros(shapes), inner_state
 
     return jax.lax.cond(finite, apply, skip, updates, inner_state, params)
 
@@ -233,7 +233,7 @@ def skip_nonfinite(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _find_states(opt_state: Any) -> list[LossScaledState]:
+def find_states(opt_state: Any) -> list[LossScaledState]:
     is_state = lambda x: isinstance(x, LossScaledState)  # noqa: E731
     return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
 
@@ -253,9 +253,9 @@ def current_scaler(opt_state: optax.OptState) -> GradScaler:
       >>> fmp.optax.current_scaler(opt.init(jnp.zeros(3))).loss_scale
       Array(65536., dtype=float32)
     """
-    found = _find_states(opt_state)
+    found = find_states(opt_state)
     if not found:
-        raise ValueError(_MSG_NO_SCALER)
+        raise ValueError(MSG_NO_SCALER)
     if len(found) > 1:
         raise ValueError(f"opt_state holds {len(found)} loss_scaled states; expected exactly one")
     return found[0].scaler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from fmp.optax._loss_scaled import _MSG_NO_SCALER, _find_states
+from fmp.optax._loss_scaled import MSG_NO_SCALER, find_states
 
 _MSG_NOT_READABLE = (
     "scaler_stats(opt_state): {name} is a global array that is neither replicated nor held whole by this "
@@ -47,9 +47,9 @@ def scaler_stats(opt_state: optax.OptState) -> dict[str, float | int]:
       ...     print("scale {loss_scale:g}, skipped {skipped_steps}".format(**fmp.optax.scaler_stats(state)))
       scale 4, skipped 1
     """
-    found = _find_states(opt_state)
+    found = find_states(opt_state)
     if len(found) != 1:
-        raise ValueError(_MSG_NO_SCALER if not found else f"opt_state holds {len(found)} loss_scaled states")
+        raise ValueError(MSG_NO_SCALER if not found else f"opt_state holds {len(found)} loss_scaled states")
     st = found[0]
     leaves = {"loss_scale": st.scaler.loss_scale, "skipped_steps": st.skipped_steps,
               "consecutive_skipped": st.consecutive_skipped}  # fmt: skip

@@ -166,7 +166,7 @@ def transform_closed(
     if key is not None and _unchanged(closed, in_avals, ctx, prefix, out_dtypes):
         result = closed  # the rewrite would bind every equation as written: no trace (and JAX's caches hold)
     else:
-        result = _transform_closed(closed, in_avals, ctx, prefix, out_dtypes, hints, rows)
+        result = transform_closed_uncached(closed, in_avals, ctx, prefix, out_dtypes, hints, rows)
     if key is not None:
         _CACHE.put(key, result)
     return result
@@ -200,7 +200,7 @@ def _unchanged(
     return True
 
 
-def _transform_closed(
+def transform_closed_uncached(
     closed: ClosedJaxpr,
     in_avals: Sequence[Any],
     ctx: Context,

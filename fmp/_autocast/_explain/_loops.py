@@ -20,8 +20,8 @@ from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, is_constant, like_avals
 from fmp._autocast._engine._interp import eval_jaxpr, transform_closed
 from fmp._autocast._explain._stats import output_stats, suggestion
-from fmp._autocast._hops._control import _loop_body, _pin_outputs
-from fmp._autocast._hops._control import _pin as _hops_pin
+from fmp._autocast._hops._control import loop_body, pin_outputs
+from fmp._autocast._hops._control import pin as _hops_pin
 from fmp._report._records import LOW, OpRecord
 
 
@@ -38,8 +38,8 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     r_consts, r_carry, r_xs = ref[:nc], ref[nc : nc + nk], ref[nc + nk :]
     before, after = like_avals(closed.in_avals[:nc], consts), like_avals(closed.in_avals[nc + nk :], xs)
     quiet = dataclasses.replace(ctx, records=None, compare=None, handlers=cmp.rewrite_handlers)
-    _, carry_avals = _loop_body(closed, before, list(closed.in_avals[nc : nc + nk]), after, carry, quiet, scope)
-    carry = _pin(carry, carry_avals, ctx)
+    _, carry_avals = loop_body(closed, before, list(closed.in_avals[nc : nc + nk]), after, carry, quiet, scope)
+    carry = pin(carry, carry_avals, ctx)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
     made, origins = list(cmp.pending_rows), list(cmp.pending_origins)  # the rows that made the scan's inputs
@@ -53,7 +53,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
         cmp.pending_rows = [*made[:nc], *writers, *made[nc + nk :]]  # the carry: made by the last iteration
         cmp.pending_origins = [*origins[:nc], *[None] * nk, *origins[nc + nk :]]
         outs = eval_jaxpr(closed.jaxpr, closed.consts, [*consts, *carry, *(x[t] for x in xs)], ctx, scope)
-        carry = _pin(outs[:nk], carry_avals, ctx)
+        carry = pin(outs[:nk], carry_avals, ctx)
         r_carry = cmp.returned[:nk]
         writers = list(cmp.returned_rows[:nk])
         ys.append(outs[nk:])
@@ -85,8 +85,8 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     r_cconsts, r_bconsts, r_carry = ref[:nc], ref[nc : nc + nb], ref[nc + nb :]
     quiet = dataclasses.replace(ctx, records=None, compare=None, handlers=cmp.rewrite_handlers)
     before = like_avals(body.in_avals[:nb], bconsts)
-    new_body, carry_avals = _loop_body(body, before, list(body.in_avals[nb:]), [], carry, quiet, scope)
-    carry = _pin(carry, carry_avals, ctx)
+    new_body, carry_avals = loop_body(body, before, list(body.in_avals[nb:]), [], carry, quiet, scope)
+    carry = pin(carry, carry_avals, ctx)
     new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, quiet, scope)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
@@ -117,13 +117,13 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         mark = len(records)
         cmp.pending, cmp.pending_rows = [*r_bconsts, *r_carry], [*made[nc : nc + nb], *writers]
         cmp.pending_origins = origins[nc : nc + nb]
-        carry = _pin(eval_jaxpr(body.jaxpr, body.consts, [*bconsts, *carry], ctx, scope), carry_avals, ctx)
+        carry = pin(eval_jaxpr(body.jaxpr, body.consts, [*bconsts, *carry], ctx, scope), carry_avals, ctx)
         r_carry, writers = cmp.returned, list(cmp.returned_rows)
         blocks.append((mark, len(records)))
         n = r_n = n + 1
         more, r_more = test()
     while more:  # the policy's loop goes on alone
-        carry, n = _pin(jaxpr_as_fun(new_body)(*bconsts, *carry), carry_avals, ctx), n + 1
+        carry, n = pin(jaxpr_as_fun(new_body)(*bconsts, *carry), carry_avals, ctx), n + 1
         more = bool(jaxpr_as_fun(new_cond)(*cconsts, *carry)[0])
     while r_more:  # the loop as written goes on alone
         r_carry, r_n = jaxpr_as_fun(body)(*r_bconsts, *r_carry), r_n + 1
@@ -188,7 +188,7 @@ def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
         if b is None:
             outs = [x if d is None else cast(x, d, ctx) for x, d in zip(outs, pinned, strict=True)]
         else:
-            _pin_outputs(b, pinned, listed)
+            pin_outputs(b, pinned, listed)
             records[mark:] = [dataclasses.replace(r, iterations=0) for r in records[mark:]]
     return outs
 
@@ -239,7 +239,7 @@ def _join(a: str, b: str) -> str:
     return f"{a}; {b}" if a else b
 
 
-def _pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:
+def pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:
     return _hops_pin(as_body_inputs(vals), avals, ctx)
 
 

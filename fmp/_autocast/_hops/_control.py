@@ -36,7 +36,7 @@ from fmp._autocast._hops._helpers import helper_call
 from fmp._core import _dtypes as _dtypes_mod
 
 
-def _pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:
+def pin(vals: list[Any], avals: list[Any], ctx: Context) -> list[Any]:
     """Casts ``vals`` to the dtypes of ``avals`` (a loop carry, a custom call's inputs)."""
     return [cast(x, a.dtype, ctx) if hasattr(a, "dtype") else x for x, a in zip(vals, avals, strict=True)]
 
@@ -69,7 +69,7 @@ def _join(a: Any, b: Any) -> Any:
     return np.dtype(_dtypes_mod.widest([dtype_name(a), dtype_name(b)]))
 
 
-def _loop_body(
+def loop_body(
     closed: ClosedJaxpr,
     before: list[Any],
     carry_avals: list[Any],
@@ -111,10 +111,10 @@ def _loop_body(
         body = transform_closed(closed, before + avals + after, ctx, scope, rows=rows)
     want = [a.dtype if hasattr(a, "dtype") else None for a in avals]
     pinned = want + [None] * (len(closed.out_avals) - nk)
-    return _pin_outputs(body, pinned, ctx), avals
+    return pin_outputs(body, pinned, ctx), avals
 
 
-def _pin_outputs(closed: ClosedJaxpr, dtypes: list[Any], ctx: Context) -> ClosedJaxpr:
+def pin_outputs(closed: ClosedJaxpr, dtypes: list[Any], ctx: Context) -> ClosedJaxpr:
     """``closed`` with its outputs cast to ``dtypes`` (None: kept), without rewriting the body again.
 
     The rewritten body is re-traced as it is (no rule is consulted), with casts
@@ -144,11 +144,11 @@ def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     carry_avals = list(closed.in_avals[nc : nc + nk])
 
     def loop(c: Context, rows: Rows | None = None) -> tuple[ClosedJaxpr, list[Any]]:
-        return _loop_body(closed, before, carry_avals, after, carry, c, scope, rows)
+        return loop_body(closed, before, carry_avals, after, carry, c, scope, rows)
 
     ctx, rows, block = _float8_rows.body_rows(ctx, loop, len(closed.in_avals), length=p["length"])
     new, carry_avals = loop(ctx, rows)
-    carry = _pin(carry, carry_avals, ctx)
+    carry = pin(carry, carry_avals, ctx)
     if block is None:
         return bind(eqn, consts + carry + xs, dict(p, jaxpr=new))
     params = dict(p, jaxpr=new)
@@ -166,12 +166,12 @@ def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
     before = like_avals(body.in_avals[:nb], bconsts)
     ctx = _float8_rows.stateless(
         ctx,
-        lambda c: _loop_body(body, before, list(body.in_avals[nb:]), [], carry, c, scope),
+        lambda c: loop_body(body, before, list(body.in_avals[nb:]), [], carry, c, scope),
         "while_loop",
         "its trip count is unknown, so it has no history per iteration",
     )
-    new_body, carry_avals = _loop_body(body, before, list(body.in_avals[nb:]), [], carry, ctx, scope)
-    carry = _pin(carry, carry_avals, ctx)
+    new_body, carry_avals = loop_body(body, before, list(body.in_avals[nb:]), [], carry, ctx, scope)
+    carry = pin(carry, carry_avals, ctx)
     new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, ctx, scope)
     return bind(eqn, cconsts + bconsts + carry, dict(p, cond_jaxpr=new_cond, body_jaxpr=new_body))
 
@@ -190,7 +190,7 @@ def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     outs = [tuple(getattr(a, "dtype", None) for a in b.out_avals) for b in new]
     if len(set(outs)) > 1:  # branches disagree: pin the outputs that differ to the original dtype
         pinned = [None if len({o[i] for o in outs}) == 1 else v.aval.dtype for i, v in enumerate(eqn.outvars)]
-        new = [_pin_outputs(b, pinned, ctx) for b in new]
+        new = [pin_outputs(b, pinned, ctx) for b in new]
     return bind(eqn, [index, *ops], dict(eqn.params, branches=tuple(new)))
 
 
@@ -223,7 +223,7 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
     does), unless it was marked with `fmp.bwd_as_written`.
     """
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
-    invals = _pin(invals, closed.in_avals, ctx)
+    invals = pin(invals, closed.in_avals, ctx)
     outs = _dtypes(closed.out_avals)
     ctx = _float8_rows.stateless(
         ctx,

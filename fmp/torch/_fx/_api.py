@@ -37,7 +37,7 @@ def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def _fake_mode_of(graph: torch.fx.Graph) -> FakeTensorMode:
+def fake_mode_of(graph: torch.fx.Graph) -> FakeTensorMode:
     vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
     try:
         mode = detect_fake_mode(pytree.tree_leaves(vals))
@@ -62,7 +62,7 @@ def rewrite(
     """
     check_meta(graph_module.graph)
     attrs = _attrs(graph_module)
-    rw = Rewriter(rules, {device_type: (True, dtype)}, _fake_mode_of(graph_module.graph), attrs, events, written)
+    rw = Rewriter(rules, {device_type: (True, dtype)}, fake_mode_of(graph_module.graph), attrs, events, written)
     out = rw.run(graph_module.graph, {} if env is None else env)
     rw.graph.output(out)
     rw.graph._codegen = graph_module.graph._codegen
@@ -238,7 +238,7 @@ def autocast_fx(
     bound = bind_state(gm, module, names, codegen)
     output = policy_output(policy)
     if recipe is not None:
-        mode = _fake_mode_of(bound.graph)
+        mode = fake_mode_of(bound.graph)
         apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
     new = rewrite(bound, device_type, dtype, rules, written=written)
     if output is not None:

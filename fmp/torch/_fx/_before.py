@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fmp.torch._fx._common import _float_names
+from fmp.torch._fx._common import float_names
 
 
 def plain(rw: Any, node: torch.fx.Node) -> Any:
@@ -43,4 +43,4 @@ def plain(rw: Any, node: torch.fx.Node) -> Any:
 
 def inputs_before(rw: Any, node: torch.fx.Node) -> tuple[str, ...]:
     """The floating dtypes of ``node``'s inputs without autocast."""
-    return _float_names(list(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: plain(rw, n))))
+    return float_names(list(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: plain(rw, n))))

@@ -11,23 +11,23 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-_CIA = torch._C.DispatchKey.CompositeImplicitAutograd
-_TO_COPY = torch.ops.aten._to_copy.default
-_ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
-_MAX_DEPTH = 8
-_RUN = object()  # _emit: compute the node's value with fake tensors
+CIA = torch._C.DispatchKey.CompositeImplicitAutograd
+TO_COPY = torch.ops.aten._to_copy.default
+ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
+MAX_DEPTH = 8
+RUN = object()  # _emit: compute the node's value with fake tensors
 
 _MSG_PRIORITIZE = (
     "Unexpected floating ScalarType in at::autocast::prioritize: {op} gets {dtypes} (in argument order) "
     "under a {compute} policy; torch raises the same error when another low-precision dtype comes before "
     "any float32 argument. Cast the inputs to one low-precision dtype or to float32 first."
 )
-_MSG_HOP = (
+MSG_HOP = (
     "autocast_graph cannot rewrite inside the higher-order op {op!r} (node {node!r}); only "
     "wrap_with_autocast and wrap_with_set_grad_enabled are supported. Trace the model without it, or "
     "apply the policy inside its branches yourself."
 )
-_MSG_OPAQUE = (
+MSG_OPAQUE = (
     "autocast_graph cannot look inside {op} node {node!r}, and the policy changed the dtype of its inputs. "
     "Trace the module to ATen ops with make_fx(..., pre_dispatch=True) or torch.export first."
 )
@@ -87,29 +87,29 @@ def module_path(node: torch.fx.Node | None) -> str:
     return str(path)
 
 
-def _float_names(vals: Any) -> tuple[str, ...]:
+def float_names(vals: Any) -> tuple[str, ...]:
     leaves = pytree.tree_leaves(vals)
-    return tuple(str(v.dtype).removeprefix("torch.") for v in leaves if _is_tensor(v) and v.dtype.is_floating_point)
+    return tuple(str(v.dtype).removeprefix("torch.") for v in leaves if is_tensor(v) and v.dtype.is_floating_point)
 
 
-def _is_tensor(v: Any) -> bool:
+def is_tensor(v: Any) -> bool:
     return isinstance(v, torch.Tensor)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _device_of(vals: list[Any]) -> str | None:
+def device_of(vals: list[Any]) -> str | None:
     """The device type whose autocast key the op dispatches to (a non-CPU device wins, as in torch)."""
-    devices = [v.device.type for v in vals if _is_tensor(v)]
+    devices = [v.device.type for v in vals if is_tensor(v)]
     for d in devices:
         if d != "cpu":
             return d
     return devices[0] if devices else None
 
 
-def _prioritize(key: str, compute: torch.dtype, eligible: list[torch.dtype]) -> None:
+def prioritize(key: str, compute: torch.dtype, eligible: list[torch.dtype]) -> None:
     """Raises where torch's ``at::autocast::prioritize`` does: it walks the args in order from the
     autocast dtype, and a second low-precision dtype met before any float32 is an error."""
     current = compute
@@ -117,8 +117,8 @@ def _prioritize(key: str, compute: torch.dtype, eligible: list[torch.dtype]) -> 
         if current == torch.float32 or dtype == torch.float32:
             current = torch.float32
         elif dtype != compute:
-            names = [_dtype_name(d) for d in eligible]
-            raise RuntimeError(_MSG_PRIORITIZE.format(op=key, dtypes=names, compute=_dtype_name(compute)))
+            names = [dtype_name(d) for d in eligible]
+            raise RuntimeError(_MSG_PRIORITIZE.format(op=key, dtypes=names, compute=dtype_name(compute)))
 
 
 def _dtype_overload(op: torch._ops.OpOverload, args: tuple) -> tuple[torch._ops.OpOverload, tuple]:
@@ -129,9 +129,9 @@ def _dtype_overload(op: torch._ops.OpOverload, args: tuple) -> tuple[torch._ops.
     return target, tuple(full)
 
 
-def _eligible(v: Any, device: str) -> bool:
+def is_eligible(v: Any, device: str) -> bool:
     """Whether autocast on ``device`` casts ``v``: a floating tensor on that device, not float64."""
-    return _is_tensor(v) and v.dtype.is_floating_point and v.dtype != torch.float64 and v.device.type == device
+    return is_tensor(v) and v.dtype.is_floating_point and v.dtype != torch.float64 and v.device.type == device
 
 
 def cuda_variant_call(
@@ -144,24 +144,24 @@ def cuda_variant_call(
     passes the first argument's own dtype otherwise. Returns the op, args and kwargs
     to emit, and whether they differ from the call as written.
     """
-    if _eligible(first, device):
+    if is_eligible(first, device):
         if variant == "set_opt_dtype":
             if kwargs.get("dtype") is None:
                 return op, args, {**kwargs, "dtype": torch.float32}, True
             return op, args, kwargs, False
         target, args = _dtype_overload(op, args)
         return target, args, {**kwargs, "dtype": torch.float32}, True
-    if variant == "append_dtype" and _is_tensor(first):
+    if variant == "append_dtype" and is_tensor(first):
         target, args = _dtype_overload(op, args)
         return target, args, {**kwargs, "dtype": first.dtype}, True
     return op, args, kwargs, False
 
 
-def _same_meta(old: Any, new: Any) -> bool:
+def same_meta(old: Any, new: Any) -> bool:
     if old is new:
         return True
-    if _is_tensor(old) and _is_tensor(new):
+    if is_tensor(old) and is_tensor(new):
         return old.dtype == new.dtype and old.device == new.device and old.shape == new.shape
     if isinstance(old, list | tuple) and isinstance(new, list | tuple) and len(old) == len(new):
-        return all(_same_meta(a, b) for a, b in zip(old, new, strict=True))
+        return all(same_meta(a, b) for a, b in zip(old, new, strict=True))
     return old is None and new is None

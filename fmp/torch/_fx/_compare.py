@@ -23,9 +23,9 @@ from fmp._core._rules import RuleSet
 from fmp._report._compare import FAR, suggestion, unit_roundoff
 from fmp._report._grads import GradError
 from fmp._report._records import LOW, OpRecord
-from fmp.torch._fx._common import _TO_COPY, Event, ambient_autocast
+from fmp.torch._fx._common import TO_COPY, Event, ambient_autocast
 from fmp.torch._fx._compare_stats import grad_error, output_stats, round_as
-from fmp.torch._fx._nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST
+from fmp.torch._fx._nested import ENTER_AUTOCAST, EXIT_AUTOCAST
 
 _SKIP = (torch._C._set_grad_enabled,)  # grad mode switches: the forward comparison runs without autograd
 _WALK = 16  # how many ops upstream a discrete op's flips are traced to low-precision producers
@@ -81,13 +81,13 @@ class _Runner:
             return None
         if node.op == "call_function" and node.target in _SKIP:
             return None
-        if self.regions is not None and node.target is _ENTER_AUTOCAST:
+        if self.regions is not None and node.target is ENTER_AUTOCAST:
             device, dtype, enabled = node.args[0], node.args[1], node.args[2]
             state = dict(self.regions[-1]) if self.regions else {}
             state[device] = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
             self.regions.append(state)
             return None
-        if self.regions is not None and node.target is _EXIT_AUTOCAST:
+        if self.regions is not None and node.target is EXIT_AUTOCAST:
             if self.regions:
                 self.regions.pop()
             return None
@@ -211,7 +211,7 @@ def compare(
                     baseline = _alone(bound, b, back, ref.interp)
             i = row_of[n]
             down = any(
-                a in casts and a.target is _TO_COPY and str(a.kwargs.get("dtype")).removeprefix("torch.") in LOW
+                a in casts and a.target is TO_COPY and str(a.kwargs.get("dtype")).removeprefix("torch.") in LOW
                 for a in n.all_input_nodes
             )
             rows[i] = _attach(rows[i], pol.env[n], ref.env[b], alone, baseline, rules)

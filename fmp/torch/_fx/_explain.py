@@ -17,7 +17,7 @@ from fmp._core._rules import RuleSet
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
 from fmp.torch._fx import _api, _compare
-from fmp.torch._fx._common import Event, _float_names, module_path
+from fmp.torch._fx._common import Event, float_names, module_path
 from fmp.torch._fx._float8 import apply_float8, check_kernel, float8_events
 from fmp.torch._fx._policy import check_overrides, float8_recipe
 
@@ -93,7 +93,7 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
                 in_before=ev.in_before,
                 in_after=ev.in_after,
                 out_before=ev.out_before,
-                out_after=_float_names(node.meta.get("val")),
+                out_after=float_names(node.meta.get("val")),
                 flops=_flops(ev.op, node),
                 detail=ev.detail,
             )
@@ -218,7 +218,7 @@ def explain_fx(
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = _api.bind_state(gm, module, names, codegen)
     if recipe is not None:
-        mode = _api._fake_mode_of(bound.graph)
+        mode = _api.fake_mode_of(bound.graph)
         apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
     events: list[Event] = []
     env: dict[torch.fx.Node, Any] = {}

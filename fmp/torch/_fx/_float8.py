@@ -21,7 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from fmp._core import _scopes
 from fmp._float8._quant import E4M3
 from fmp._float8._recipe import Float8Recipe
-from fmp.torch._fx._common import Event, _float_names, ambient_autocast
+from fmp.torch._fx._common import Event, ambient_autocast, float_names
 from fmp.torch._fx._scaled_mm import KERNELS, float8_linear, scaled_mm_error
 
 SUPPORTED = ("tensorwise", "rowwise")
@@ -207,7 +207,7 @@ def float8_events(graph: torch.fx.Graph, events: list[Event]) -> list[Event]:
 
 
 def _ins(node: torch.fx.Node) -> tuple[str, ...]:
-    return _float_names([a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)])
+    return float_names([a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)])
 
 
 def _get(obj: Any, target: str) -> Any:

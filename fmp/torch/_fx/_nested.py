@@ -22,11 +22,11 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from fmp.torch._fx._common import _MSG_HOP, _is_tensor, ambient_autocast
+from fmp.torch._fx._common import MSG_HOP, ambient_autocast, is_tensor
 
 UNTRACEABLE = object()  # decompose(): the decomposition cannot be traced with fake tensors
-_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
-_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 
 
 def decompose(rw: Any, node: torch.fx.Node, op: torch._ops.OpOverload, args: tuple, kwargs: dict, depth: int) -> Any:
@@ -39,7 +39,7 @@ def decompose(rw: Any, node: torch.fx.Node, op: torch._ops.OpOverload, args: tup
     flat, spec = pytree.tree_flatten((args, kwargs))
     flat_vals = [rw.vals.get(a) if isinstance(a, torch.fx.Node) else a for a in flat]
     sig = tuple(
-        (v.dtype, v.device.type, tuple(v.shape), tuple(v.stride())) if _is_tensor(v) else repr(v) for v in flat_vals
+        (v.dtype, v.device.type, tuple(v.shape), tuple(v.stride())) if is_tensor(v) else repr(v) for v in flat_vals
     )
     cache_key = (op, sig, tuple(sorted(rw.state.items())))
     if rw.probe_cache.get(cache_key) is False:
@@ -114,7 +114,7 @@ def hop(rw: Any, node: torch.fx.Node, args: tuple, kwargs: dict, depth: int) -> 
         rw.attrs[name] = torch.fx.GraphModule(inner.attrs, inner.graph)
         getter = rw.graph.get_attr(name)
         return rw.emit(node.target, (enabled, getter, *args[2:]), kwargs, node)
-    raise NotImplementedError(_MSG_HOP.format(op=name, node=node.name))
+    raise NotImplementedError(MSG_HOP.format(op=name, node=node.name))
 
 
 def in_region(rw: Any, node: torch.fx.Node, op: Any, device: str, compute: torch.dtype, args: tuple, kwargs: dict):
@@ -124,7 +124,7 @@ def in_region(rw: Any, node: torch.fx.Node, op: Any, device: str, compute: torch
     cast at the op's boundary reproduces what it does inside, so the region is kept.
     """
     enter = rw.graph.create_node(
-        "call_function", _ENTER_AUTOCAST, (device, compute, True, False), {}, name=f"{node.name}_autocast"
+        "call_function", ENTER_AUTOCAST, (device, compute, True, False), {}, name=f"{node.name}_autocast"
     )
     try:
         with ambient_autocast({device: (True, compute)}), rw.fake_mode:
@@ -133,6 +133,6 @@ def in_region(rw: Any, node: torch.fx.Node, op: Any, device: str, compute: torch
         val = rw.fake(node.meta.get("val"))
     new = rw.emit(op, args, kwargs, node, val=val)
     new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-    rw.graph.create_node("call_function", _EXIT_AUTOCAST, (enter,), {})
+    rw.graph.create_node("call_function", EXIT_AUTOCAST, (enter,), {})
     rw.changed = True
     return new

@@ -32,25 +32,25 @@ from fmp._core._rules import Category, RuleSet, decide
 from fmp.torch._fx._before import inputs_before, plain
 from fmp.torch._fx._casts import CastCache
 from fmp.torch._fx._common import (
-    _ASSERT_META,
-    _CIA,
-    _MAX_DEPTH,
-    _MSG_OPAQUE,
-    _RUN,
-    _TO_COPY,
+    ASSERT_META,
+    CIA,
+    MAX_DEPTH,
+    MSG_OPAQUE,
+    RUN,
+    TO_COPY,
     Event,
-    _device_of,
-    _dtype_name,
-    _eligible,
-    _float_names,
-    _is_tensor,
-    _prioritize,
-    _same_meta,
     cuda_variant_call,
+    device_of,
+    dtype_name,
+    float_names,
+    is_eligible,
+    is_tensor,
     module_path,
     op_key,
+    prioritize,
+    same_meta,
 )
-from fmp.torch._fx._nested import _ENTER_AUTOCAST, _EXIT_AUTOCAST, UNTRACEABLE, decompose, hop, in_region
+from fmp.torch._fx._nested import ENTER_AUTOCAST, EXIT_AUTOCAST, UNTRACEABLE, decompose, hop, in_region
 from fmp.torch._fx._trace_errors import is_traced_move
 from fmp.torch._fx._values import GraphBuilder
 
@@ -93,12 +93,12 @@ class Rewriter(GraphBuilder):
         if shared is not None:
             return shared
         short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "cast")
-        node = self.emit(_TO_COPY, (src,), {"dtype": dtype}, like, name=f"{src.name}_{short}")
+        node = self.emit(TO_COPY, (src,), {"dtype": dtype}, like, name=f"{src.name}_{short}")
         if key is not None:
             self._casts.put(key, dtype, node)
         if self.events is not None:
-            before = _float_names(self.vals[src])
-            self.events.append(Event("aten::_to_copy", "cast", node, like, before, (_dtype_name(dtype),), before))
+            before = float_names(self.vals[src])
+            self.events.append(Event("aten::_to_copy", "cast", node, like, before, (dtype_name(dtype),), before))
         return node
 
     # ---- the graph walk -----------------------------------------------------------------------
@@ -141,9 +141,9 @@ class Rewriter(GraphBuilder):
         return None
 
     def _opaque(self, node: torch.fx.Node, env: dict) -> torch.fx.Node:
-        changed = any(not _same_meta(a.meta.get("val"), self.vals.get(env[a])) for a in node.all_input_nodes)
+        changed = any(not same_meta(a.meta.get("val"), self.vals.get(env[a])) for a in node.all_input_nodes)
         if changed:
-            raise NotImplementedError(_MSG_OPAQUE.format(node=node.name, op=node.op))
+            raise NotImplementedError(MSG_OPAQUE.format(node=node.name, op=node.op))
         new = self.graph.node_copy(node, lambda n: env[n])
         if "val" in node.meta:
             self.vals[new] = self.fake(node.meta["val"])
@@ -163,13 +163,13 @@ class Rewriter(GraphBuilder):
         else:
             args = torch.fx.node.map_arg(node.args, lambda n: env[n])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
-        if target is _ENTER_AUTOCAST:
+        if target is ENTER_AUTOCAST:
             device, dtype, enabled = args[0], args[1], args[2]
             self._region_saved[node] = dict(self.state)
             self.state[device] = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
             self.changed = True
             return None  # the region's casts are explicit now
-        if target is _EXIT_AUTOCAST:
+        if target is EXIT_AUTOCAST:
             enter = node.args[0]
             if isinstance(enter, torch.fx.Node) and enter in self._region_saved:
                 self.state = self._region_saved.pop(enter)
@@ -178,7 +178,7 @@ class Rewriter(GraphBuilder):
             return hop(self, node, args, kwargs, depth)
         if target is torch._C._set_grad_enabled:
             self._casts.clear()
-        if target is _ASSERT_META and "dtype" in kwargs and isinstance(args[0], torch.fx.Node):
+        if target is ASSERT_META and "dtype" in kwargs and isinstance(args[0], torch.fx.Node):
             # export's dtype assertions describe the program before the rewrite
             kwargs = {**kwargs, "dtype": self.vals[args[0]].dtype}
             return self.emit(target, args, kwargs, node, val=None)
@@ -194,7 +194,7 @@ class Rewriter(GraphBuilder):
     def _restored(self, old: torch.fx.Node, new: Any, like: torch.fx.Node) -> Any:
         """``new`` cast back to the floating dtype ``old`` has as written, for an op run as written."""
         val, before = self.vals.get(new), plain(self, old)
-        if not (isinstance(new, torch.fx.Node) and _is_tensor(val) and _is_tensor(before)):
+        if not (isinstance(new, torch.fx.Node) and is_tensor(val) and is_tensor(before)):
             return new
         if val.dtype == before.dtype or not (val.dtype.is_floating_point and before.dtype.is_floating_point):
             return new
@@ -206,9 +206,9 @@ class Rewriter(GraphBuilder):
         new_inputs = []
         torch.fx.node.map_arg((args, kwargs), lambda n: new_inputs.append(n))
         same = len(old_vals) == len(new_inputs) and all(
-            _same_meta(o, self.vals.get(n)) for o, n in zip(old_vals, new_inputs, strict=True)
+            same_meta(o, self.vals.get(n)) for o, n in zip(old_vals, new_inputs, strict=True)
         )
-        val = self.fake(node.meta.get("val")) if same else _RUN
+        val = self.fake(node.meta.get("val")) if same else RUN
         new = self.emit(node.target, args, kwargs, node, val=val)
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         return new
@@ -216,8 +216,8 @@ class Rewriter(GraphBuilder):
     # ---- ATen ops ------------------------------------------------------------------------------
     def _op(self, node: torch.fx.Node, op: torch._ops.OpOverload, args: tuple, kwargs: dict, depth: int):
         key = op_key(op)
-        leaves = [v for v in pytree.tree_leaves(self.value_of((args, kwargs))) if _is_tensor(v)]
-        device = _device_of(leaves)
+        leaves = [v for v in pytree.tree_leaves(self.value_of((args, kwargs))) if is_tensor(v)]
+        device = device_of(leaves)
         enabled, compute = self.state.get(device, (False, None)) if device else (False, None)
         written = bool(self.written) and self.as_written(node)
         enabled = enabled and not written
@@ -229,7 +229,7 @@ class Rewriter(GraphBuilder):
         if is_traced_move(node, args, self.vals):
             self.traced_moves.append((node, self.vals[args[0]].dtype))
         inlined = None
-        if enabled and op.has_kernel_for_dispatch_key(_CIA) and depth < _MAX_DEPTH:
+        if enabled and op.has_kernel_for_dispatch_key(CIA) and depth < MAX_DEPTH:
             inlined = decompose(self, node, op, args, kwargs, depth)
             if inlined is not None and inlined is not UNTRACEABLE:
                 return inlined
@@ -238,17 +238,17 @@ class Rewriter(GraphBuilder):
         new = in_region(self, node, op, device, compute, args, kwargs) if inside else self._copy(node, args, kwargs)
         self._casts.invalidate(op, args, kwargs)
         if self.events is not None:
-            ins = _float_names(self.value_of((args, kwargs)))
+            ins = float_names(self.value_of((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
             cat = f"{cat} (autocast inside)" if inside else "override" if written else cat
             self.events.append(
-                Event(key, cat, new, node, inputs_before(self, node), ins, _float_names(plain(self, node)))
+                Event(key, cat, new, node, inputs_before(self, node), ins, float_names(plain(self, node)))
             )
         return new
 
     def _listed(self, node, op, key, category, device, compute, args, kwargs):
         vals = self.value_of((args, kwargs))
-        eligible = [v.dtype for v in pytree.tree_leaves(vals) if _eligible(v, device)]
+        eligible = [v.dtype for v in pytree.tree_leaves(vals) if is_eligible(v, device)]
         variant = self.rules.torch_cuda_variants.get(key) if device == "cuda" else None
         target_op = op
         if variant is not None and category is Category.FLOAT32:
@@ -258,14 +258,14 @@ class Rewriter(GraphBuilder):
             target = None
         else:
             if category is Category.PROMOTE:
-                _prioritize(key, compute, eligible)
-            name = decide(category, _dtype_name(compute), [_dtype_name(d) for d in eligible])
+                prioritize(key, compute, eligible)
+            name = decide(category, dtype_name(compute), [dtype_name(d) for d in eligible])
             target = getattr(torch, name) if name is not None else None
         if target is not None:
 
             def cast(n: torch.fx.Node) -> torch.fx.Node:
                 v = self.vals.get(n)
-                return self._cast(n, target, node, compute) if _eligible(v, device) and v.dtype != target else n
+                return self._cast(n, target, node, compute) if is_eligible(v, device) and v.dtype != target else n
 
             args = torch.fx.node.map_arg(args, cast)
             kwargs = torch.fx.node.map_arg(kwargs, cast)
@@ -280,8 +280,8 @@ class Rewriter(GraphBuilder):
         self._casts.invalidate(target_op, args, kwargs)
         if self.events is not None:
             rule = category.value if variant is None else f"{category.value} ({variant})"
-            ins = _float_names(self.value_of((args, kwargs)))
+            ins = float_names(self.value_of((args, kwargs)))
             self.events.append(
-                Event(key, rule, new, node, inputs_before(self, node), ins, _float_names(plain(self, node)))
+                Event(key, rule, new, node, inputs_before(self, node), ins, float_names(plain(self, node)))
             )
         return new

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fmp._float8._quant import _SCALE_MAX, _SCALE_MIN, E4M3, E5M2
+from fmp._float8._quant import E4M3, E5M2, SCALE_MAX, SCALE_MIN
 
 KERNELS = ("scaled_mm", "emulated")
 _FWD = getattr(torch, E4M3.name)
@@ -35,7 +35,7 @@ def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
     ok = (amax > 0) & torch.isfinite(amax)
     top = torch.finfo(dtype).max
     scale = torch.where(ok, top / torch.where(ok, amax, 1).to(torch.float64), 1.0).to(torch.float32)
-    scale = scale.clamp(_SCALE_MIN, _SCALE_MAX)
+    scale = scale.clamp(SCALE_MIN, SCALE_MAX)
     if pow2:  # 2**floor(log2(scale)) exactly: clear the mantissa bits of a normal float32
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
     return torch.where(torch.isfinite(amax), scale, torch.nan)

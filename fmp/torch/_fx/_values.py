@@ -15,7 +15,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from fmp.torch._fx._common import _RUN, _is_tensor
+from fmp.torch._fx._common import RUN, is_tensor
 
 
 class GraphBuilder:
@@ -58,10 +58,10 @@ class GraphBuilder:
         args: tuple,
         kwargs: dict,
         like: torch.fx.Node | None,
-        val: Any = _RUN,
+        val: Any = RUN,
         name: str | None = None,
     ):
-        value = self.run_fake(target, args, kwargs) if val is _RUN else val
+        value = self.run_fake(target, args, kwargs) if val is RUN else val
         if name is None and like is not None:
             name = like.name
         node = self.graph.create_node("call_function", target, args, kwargs, name=name)
@@ -78,7 +78,7 @@ class GraphBuilder:
         """``val`` with its floating tensors in ``dtype`` (for an op with no fake kernel)."""
 
         def leaf(v: Any) -> Any:
-            if dtype is not None and _is_tensor(v) and v.dtype.is_floating_point:
+            if dtype is not None and is_tensor(v) and v.dtype.is_floating_point:
                 with self.fake_mode:
                     return self.fake(v).to(dtype)
             return v

@@ -5,7 +5,7 @@ Three classes live here:
 * `LossScaler` and `DynamicLossScaler`:
   the classes apex exported from
   ``apex.fp16_utils`` (``loss_scaler.py``), same names, attributes and defaults.
-* ``_AmpLossScaler``: the scaler `FP16_Optimizer` actually uses. Since 2019
+* ``AmpLossScaler``: the scaler `FP16_Optimizer` actually uses. Since 2019
   apex's ``FP16_Optimizer`` drives ``apex.amp.scaler.LossScaler`` (init 2**16, window 2000, max 2**24,
   optional min, factor hard-coded to 2), not the exported ``DynamicLossScaler``; we keep that split.
 
@@ -217,7 +217,7 @@ class DynamicLossScaler(LossScaler):
         self.cur_iter += 1
 
 
-class _AmpLossScaler:
+class AmpLossScaler:
     """``apex.amp.scaler.LossScaler`` semantics, the scaler inside apex's ``FP16_Optimizer`` since 2019.
 
     ``loss_scale()`` is a method. A static scaler never checks for overflow (apex's contract: inf grads are

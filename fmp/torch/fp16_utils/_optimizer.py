@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fmp.torch.fp16_utils._fp16util import clip_grad_norm
-from fmp.torch.fp16_utils._loss_scaler import _AmpLossScaler
+from fmp.torch.fp16_utils._loss_scaler import AmpLossScaler
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -139,10 +139,10 @@ class FP16_Optimizer:  # noqa: N801  (apex's name)
             unknown = sorted(set(args) - allowed)
             if unknown:
                 raise TypeError(f"dynamic_loss_args has unknown keys {unknown}; expected a subset of {sorted(allowed)}")
-            self.loss_scaler = _AmpLossScaler("dynamic", **args)
+            self.loss_scaler = AmpLossScaler("dynamic", **args)
         else:
             self.dynamic_loss_scale = False
-            self.loss_scaler = _AmpLossScaler(static_loss_scale)
+            self.loss_scaler = AmpLossScaler(static_loss_scale)
         self.overflow = False
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
