@@ -163,6 +163,52 @@ def test_fmp_modules_form_no_import_cycle():
     _assert_no_cycle(graph)
 
 
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+@pytest.mark.parametrize("module", ["fmp.torch._autocast", "fmp.torch._custom", "fmp.torch._scaler._grad_scaler",
+                                    "fmp.torch._scaler._sharded", "fmp.torch.cuda.amp", "fmp.torch.fp16_utils"])  # fmt: skip
+def test_eager_torch_facade_does_not_import_the_fx_passes(module):
+    reached = _reach(_fmp_import_graph(), module)
+    assert not {m for m in reached if m.startswith("fmp.torch._fx")}, sorted(reached)
+
+
+def _private_names_across_files() -> list[str]:
+    """``from fmp.x import _name`` or ``module._name`` where ``_name`` is not a module: a private name that
+    crosses a file boundary."""
+    mods = {}
+    for path in (ROOT / "fmp").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    bad = []
+    for path in mods.values():
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fmp"):
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    elif a.name.startswith("_"):
+                        bad.append(f"{path.name}:{node.lineno} imports {a.name} from {node.module}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                full = f"{aliases[node.value.id]}.{node.attr}"
+                if node.attr.startswith("_") and not node.attr.startswith("__") and full not in mods:
+                    bad.append(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_private_name_crosses_a_file_boundary():
+    assert _private_names_across_files() == []
+
+
 def test_eight_fake_devices_helper():
     out = run_with_devices(
         """

@@ -28,7 +28,7 @@ def float8(
 
     ``out_dtype`` is the compute dtype (or the op's preferred element type mapped to it); a recipe with
     ``output="float32"`` overrides it. Delayed scaling takes one history row per ``dot_general`` from the
-    feeder of the body it is in (``_fp8_rows``: a scan body's row is its iteration's). ``why``: the scope
+    feeder of the body it is in (``_hops._float8_rows``: a scan body's row is its iteration's). ``why``: the scope
     rule's reason (``_leaf._float8_scope``), for the explain row.
     """
     recipe = policy.fp8

@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from fmp._core import _rules
 from fmp._policy import Policy
-from fmp.torch._fx._policy import torch_policy
+from fmp.torch._policy import torch_policy
 
 __all__ = ["autocast"]
 

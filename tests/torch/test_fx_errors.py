@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: E402
 
 import fmp.torch  # noqa: E402
-from fmp.torch._fx._trace_errors import (  # noqa: E402
+from fmp.torch._fx._trace import (  # noqa: E402
     _MSG_DATA_DEPENDENT,
     _MSG_NO_META,
     _MSG_TRACED_MOVE,

@@ -13,68 +13,9 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import _pytree as pytree
 
 from fmp._core._rules import RuleSet
-from fmp.torch._fx._common import Event
-from fmp.torch._fx._float8 import apply_float8, check_kernel
-from fmp.torch._fx._policy import cast_outputs, check_overrides, float8_recipe, policy_output, resolve_policy
-from fmp.torch._fx._rewrite import Rewriter
-from fmp.torch._fx._trace import bind_state, trace
-from fmp.torch._fx._trace_errors import check_meta, warn_traced_moves
-
-
-def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("get_attr", "call_module"):
-            obj: Any = gm
-            for part in node.target.split("."):
-                obj = getattr(obj, part)
-            out[node.target] = obj
-    return out
-
-
-def fake_mode_of(graph: torch.fx.Graph) -> FakeTensorMode:
-    vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
-    try:
-        mode = detect_fake_mode(pytree.tree_leaves(vals))
-    except AssertionError:  # values from several modes (a real-mode trace): use a fresh one
-        mode = None
-    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def rewrite(
-    graph_module: torch.fx.GraphModule,
-    device_type: str,
-    dtype: torch.dtype,
-    rules: RuleSet,
-    events: list[Event] | None = None,
-    written: tuple[str, ...] = (),
-    env: dict[torch.fx.Node, Any] | None = None,
-) -> torch.fx.GraphModule:
-    """The transform behind `autocast_graph` (policy already resolved).
-
-    ``written``: module path keys whose ops run as written (float32 overrides); ``env``, when
-    given, receives each node of ``graph_module`` mapped to what stands for its value in the new graph.
-    """
-    check_meta(graph_module.graph)
-    attrs = _attrs(graph_module)
-    rw = Rewriter(rules, {device_type: (True, dtype)}, fake_mode_of(graph_module.graph), attrs, events, written)
-    out = rw.run(graph_module.graph, {} if env is None else env)
-    rw.graph.output(out)
-    rw.graph._codegen = graph_module.graph._codegen
-    for node in list(rw.graph.nodes):  # submodules of inlined wrap_with_autocast regions
-        if node.op == "get_attr" and not node.users and isinstance(rw.attrs.get(node.target), torch.nn.Module):
-            rw.graph.erase_node(node)
-    rw.graph.lint()
-    used = {n.target for n in rw.graph.nodes if n.op in ("get_attr", "call_module")}
-    new = torch.fx.GraphModule({k: v for k, v in rw.attrs.items() if k in used}, rw.graph)
-    new.meta.update(getattr(graph_module, "meta", {}))
-    warn_traced_moves(rw.traced_moves)
-    return new
+from fmp.torch._fx._prepare import cast_outputs, policy_output, prepare, resolve_policy, rewrite
 
 
 def autocast_graph(
@@ -229,18 +170,8 @@ def autocast_fx(
       >>> fmp.torch.autocast_fx(seq, (torch.ones(2, 4),), "cpu", overrides={"1": "float32"})(torch.ones(2, 4)).dtype
       torch.float32
     """
-    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules, float8=True)
-    recipe = float8_recipe(policy)
-    opt_out, written = check_overrides(overrides, policy, recipe, dtype)
-    kernel = check_kernel(float8_matmul, recipe, policy)
-    gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
-    module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
-    bound = bind_state(gm, module, names, codegen)
-    output = policy_output(policy)
-    if recipe is not None:
-        mode = fake_mode_of(bound.graph)
-        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
-    new = rewrite(bound, device_type, dtype, rules, written=written)
-    if output is not None:
-        cast_outputs(new, output)
+    prep = prepare(fn_or_module, example_inputs, policy, device_type, dtype, rules, overrides, float8_matmul)
+    new = rewrite(prep.graph, prep.device_type, prep.dtype, prep.rules, written=prep.written)
+    if prep.output is not None:
+        cast_outputs(new, prep.output)
     return new

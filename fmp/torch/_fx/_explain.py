@@ -16,10 +16,10 @@ import fmp
 from fmp._core._rules import RuleSet
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
-from fmp.torch._fx import _api, _compare
+from fmp.torch._fx import _compare
 from fmp.torch._fx._common import Event, float_names, module_path
-from fmp.torch._fx._float8 import apply_float8, check_kernel, float8_events
-from fmp.torch._fx._policy import check_overrides, float8_recipe
+from fmp.torch._fx._float8 import float8_events
+from fmp.torch._fx._prepare import prepare, resolve_policy, rewrite
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))
@@ -131,9 +131,9 @@ def explain_graph(
     """
     if not isinstance(graph_module, torch.fx.GraphModule):
         raise TypeError(f"graph_module must be a torch.fx.GraphModule, got {type(graph_module).__name__}")
-    device_type, dtype, rules = _api.resolve_policy(policy, device_type, dtype, rules)
+    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
     events: list[Event] = []
-    _api.rewrite(graph_module, device_type, dtype, rules, events)
+    rewrite(graph_module, device_type, dtype, rules, events)
     return Report(records(events), _policy_name(device_type, dtype), "torch")
 
 
@@ -204,25 +204,20 @@ def explain_fx(
       >>> sorted(fmp.torch.explain_fx(loss, (torch.randn(1, 16),), "cpu", compare=True, grads=True).grad_errors)
       ['0.0.bias', '0.0.weight', '0.2.bias', '0.2.weight']
     """
-    device_type, dtype, rules = _api.resolve_policy(policy, device_type, dtype, rules, float8=True)
-    recipe = float8_recipe(policy)
-    opt_out, written = check_overrides(overrides, policy, recipe, dtype)
-    if not isinstance(compare, bool) or not isinstance(grads, bool):
-        raise TypeError(f"explain_fx(compare=..., grads=...) expects True or False, got {compare!r}, {grads!r}")
-    if grads and not compare:
-        raise ValueError("explain_fx(grads=True) compares gradients with the program as written: add compare=True")
-    if compare and recipe is not None:
-        raise NotImplementedError(_MSG_FLOAT8)
-    kernel = check_kernel(float8_matmul, recipe, policy)
-    gm, names, codegen = _api.trace(fn_or_module, example_inputs, device_type, dtype)
-    module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
-    bound = _api.bind_state(gm, module, names, codegen)
-    if recipe is not None:
-        mode = _api.fake_mode_of(bound.graph)
-        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
+
+    def check(recipe: Any) -> None:
+        if not isinstance(compare, bool) or not isinstance(grads, bool):
+            raise TypeError(f"explain_fx(compare=..., grads=...) expects True or False, got {compare!r}, {grads!r}")
+        if grads and not compare:
+            raise ValueError("explain_fx(grads=True) compares gradients with the program as written: add compare=True")
+        if compare and recipe is not None:
+            raise NotImplementedError(_MSG_FLOAT8)
+
+    prep = prepare(fn_or_module, example_inputs, policy, device_type, dtype, rules, overrides, float8_matmul, check)
+    device_type, dtype, rules, bound, module = prep.device_type, prep.dtype, prep.rules, prep.graph, prep.module
     events: list[Event] = []
     env: dict[torch.fx.Node, Any] = {}
-    out = _api.rewrite(bound, device_type, dtype, rules, events, written, env)
+    out = rewrite(bound, device_type, dtype, rules, events, prep.written, env)
     events = float8_events(out.graph, events)
     rows = records(events)
     name = _policy_name(device_type, dtype)

@@ -1,7 +1,7 @@
 """Float8 matmuls in FX graphs: ``linear``/``mm``/``addmm``/``matmul`` against a parameter.
 
 The pass runs on the traced graph before the cast pass: each matmul whose weight operand is a module
-``Parameter`` (a ``get_attr`` node) becomes one call of ``float8_linear`` (``_fx_float8_mm``), with the
+``Parameter`` (a ``get_attr`` node) becomes one call of ``float8_linear`` (``_scaled_mm``), with the
 recipe's scaling, scale rounding, gradient format and output dtype, and the kernel chosen per matmul:
 ``torch._scaled_mm`` where it runs on the device (torchao's ``emulate=False``), the quantise-dequantise
 emulation elsewhere (torchao's ``emulate=True``), or the one the caller names.

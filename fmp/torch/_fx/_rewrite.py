@@ -11,10 +11,9 @@ eager autocast treats them (``einsum``, ``tensordot`` on CPU). Traced
 ``_enter_autocast``/``_exit_autocast`` regions and ``wrap_with_autocast``
 submodules switch the per-device state for the ops inside them.
 
-Beside this module: ``_fx_values`` builds the new graph and its fake values,
-``_fx_casts`` decides which uses share a cast (torch's cast cache), ``_fx_nested``
-holds decompositions, higher-order ops and one-op autocast regions, and
-``_fx_before`` the explain report's values without autocast.
+Beside this module: ``_values`` builds the new graph and its fake values (and the explain
+report's values without autocast), ``_casts`` decides which uses share a cast (torch's cast cache),
+and ``_nested`` holds decompositions, higher-order ops and one-op autocast regions.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from torch.utils import _pytree as pytree
 
 from fmp._core import _scopes
 from fmp._core._rules import Category, RuleSet, decide
-from fmp.torch._fx._before import inputs_before, plain
 from fmp.torch._fx._casts import CastCache
 from fmp.torch._fx._common import (
     ASSERT_META,
@@ -51,8 +49,8 @@ from fmp.torch._fx._common import (
     same_meta,
 )
 from fmp.torch._fx._nested import ENTER_AUTOCAST, EXIT_AUTOCAST, UNTRACEABLE, decompose, hop, in_region
-from fmp.torch._fx._trace_errors import is_traced_move
-from fmp.torch._fx._values import GraphBuilder
+from fmp.torch._fx._trace import is_traced_move
+from fmp.torch._fx._values import GraphBuilder, inputs_before, plain
 
 
 class Rewriter(GraphBuilder):
@@ -77,9 +75,9 @@ class Rewriter(GraphBuilder):
         self.state = dict(state)
         self.events = events
         self._casts = CastCache(attrs)  # shared casts (torch's cast cache)
-        self.probe_cache: dict[Any, bool] = {}  # decompositions known to change nothing (see _fx_nested)
+        self.probe_cache: dict[Any, bool] = {}  # decompositions known to change nothing (see _nested)
         self._region_saved: dict[torch.fx.Node, dict[str, tuple[bool, torch.dtype]]] = {}
-        self.before: dict[torch.fx.Node, Any] = {}  # node -> value with autocast off (explain only, _fx_before)
+        self.before: dict[torch.fx.Node, Any] = {}  # node -> value with autocast off (explain only, _values.plain)
         self.changed = False
         self.traced_moves: list[tuple[torch.fx.Node, torch.dtype]] = []  # device moves recorded as casts
 

@@ -2,11 +2,18 @@
 
 ``GraphBuilder`` is the part of the FX rewrite that knows nothing of autocast:
 it emits nodes, computes their values with fake tensors (no compute) and names
-the attributes of the new root module. ``_fx_rewrite.Rewriter`` builds on it.
+the attributes of the new root module. ``_rewrite.Rewriter`` builds on it.
+
+`plain` and `inputs_before` give the explain report's "before" column: each node's value with autocast
+off. A traced graph's recorded values may already show autocast's dtypes (tracing runs with torch's
+autocast state on), so the report recomputes them with fake tensors from the program's own ops. Only
+`fmp.torch.explain_fx` and `fmp.torch.explain_graph` read these; the rewrite itself never does.
 """
 
 from __future__ import annotations
 
+import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +22,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from fmp.torch._fx._common import RUN, is_tensor
+from fmp.torch._fx._common import RUN, float_names, is_tensor
 
 
 class GraphBuilder:
@@ -93,3 +100,31 @@ class GraphBuilder:
         while f"{base}_fmp{i}" in self.attrs:
             i += 1
         return f"{base}_fmp{i}"
+
+
+def plain(rw: Any, node: torch.fx.Node) -> Any:
+    """The value ``node`` has without any autocast, memoized in ``rw.before``."""
+    if node in rw.before:
+        return rw.before[node]
+    val = node.meta.get("val")
+    if node.op == "call_function" and (
+        isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
+    ):
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: plain(rw, n))
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # a failing meta kernel logs a traceback before raising
+        try:
+            with rw.fake_mode:
+                val = node.target(*rw.fake(args[0]), **rw.fake(args[1]))
+        except Exception:  # noqa: BLE001  (an op that only runs under autocast: keep the traced value)
+            val = node.meta.get("val")
+        finally:
+            quiet.setLevel(level)
+    rw.before[node] = val
+    return val
+
+
+def inputs_before(rw: Any, node: torch.fx.Node) -> tuple[str, ...]:
+    """The floating dtypes of ``node``'s inputs without autocast."""
+    return float_names(list(torch.fx.node.map_arg((node.args, node.kwargs), lambda n: plain(rw, n))))

@@ -1,17 +1,28 @@
-"""The policy spellings ``autocast_fx``, ``autocast_graph`` and ``explain_fx`` accept, normalized."""
+"""What ``autocast_fx`` and ``explain_fx`` share before they differ: the policy spellings normalized, the
+overrides and float8 kernel checked, the program traced with its state bound and its float8 matmuls in place
+(`prepare`), and the autocast rewrite of such a graph (`rewrite`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
 from fmp._float8._recipe import Float8Recipe
 from fmp._policy import Policy, get_policy
-from fmp.torch._fx._float8 import check_recipe
+from fmp.torch._fx._common import Event
+from fmp.torch._fx._float8 import apply_float8, check_kernel, check_recipe
+from fmp.torch._fx._rewrite import Rewriter
+from fmp.torch._fx._trace import bind_state, check_meta, trace, warn_traced_moves
+from fmp.torch._policy import torch_policy
 
 _LOW = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_DTYPE = {"cpu": torch.bfloat16, "cuda": torch.float16}
@@ -23,36 +34,23 @@ _MSG_POLICY = (
 )
 
 
-_MSG_FLOAT8 = (
-    "policy {got!r} asks for float8 matmuls (fp8={fp8}), which {where} does not run: it would quietly "
-    "compute in {compute} instead. Use fmp.torch.autocast_fx(model, inputs, {got!r}) (tensorwise and rowwise "
-    "recipes), a policy without fp8 here (e.g. 'mixed_bfloat16'), or float8 on the JAX side "
-    "(fmp.autocast(fn, 'mixed_float8'))."
-)
-
-
-def torch_policy(policy: Policy | str, where: str = "fmp.torch.autocast (eager)", float8: bool = False) -> Policy:
-    """``get_policy(policy)``; a float8 policy only with ``float8`` (and a recipe the FX pass runs).
-
-    Raises:
-      NotImplementedError: the policy carries an fp8 recipe and ``where`` runs none, or a recipe
-        the FX float8 pass does not run (blockwise, delayed, mx).
-    """
-    pol = get_policy(policy)
-    if pol.fp8 is not None:
-        if not float8:
-            raise NotImplementedError(
-                _MSG_FLOAT8.format(got=str(policy), fp8=pol.fp8, compute=pol.compute_dtype.name, where=where)
-            )
-        check_recipe(pol.fp8)
-    return pol
-
-
 def float8_recipe(policy: Any) -> Float8Recipe | None:
     """The float8 recipe of an fmp ``Policy`` or spec (checked runnable by the FX pass), or None."""
     if isinstance(policy, Policy | str) and not (isinstance(policy, str) and policy in TORCH_DEVICES):
-        return torch_policy(policy, float8=True).fp8
+        return fx_policy(policy, "autocast_fx", float8=True).fp8
     return None
+
+
+def fx_policy(policy: Policy | str, where: str, float8: bool) -> Policy:
+    """`torch_policy` with the float8 recipe, if any, checked runnable by the FX float8 pass.
+
+    Raises:
+      NotImplementedError: a recipe the FX float8 pass does not run (blockwise, delayed, mx).
+    """
+    pol = torch_policy(policy, where, float8)
+    if pol.fp8 is not None:
+        check_recipe(pol.fp8)
+    return pol
 
 
 def resolve_policy(
@@ -79,7 +77,7 @@ def resolve_policy(
         device_type = policy
     elif isinstance(policy, Policy | str):
         try:
-            pol = torch_policy(policy, "autocast_graph or explain_fx", float8)
+            pol = fx_policy(policy, "autocast_graph or explain_fx", float8)
         except ValueError as err:
             raise ValueError(f"{_MSG_POLICY.format(got=policy)}. {err}") from None
         if dtype is not None:
@@ -163,3 +161,102 @@ def cast_outputs(gm: torch.fx.GraphModule, to: torch.dtype) -> None:
         flat[i] = cast
     out.args = (flat[0] if single else type(out.args[0])(flat), *out.args[1:])
     gm.recompile()
+
+
+def _attrs(gm: torch.nn.Module) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            obj: Any = gm
+            for part in node.target.split("."):
+                obj = getattr(obj, part)
+            out[node.target] = obj
+    return out
+
+
+def fake_mode_of(graph: torch.fx.Graph) -> FakeTensorMode:
+    vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
+    try:
+        mode = detect_fake_mode(pytree.tree_leaves(vals))
+    except AssertionError:  # values from several modes (a real-mode trace): use a fresh one
+        mode = None
+    return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def rewrite(
+    graph_module: torch.fx.GraphModule,
+    device_type: str,
+    dtype: torch.dtype,
+    rules: RuleSet,
+    events: list[Event] | None = None,
+    written: tuple[str, ...] = (),
+    env: dict[torch.fx.Node, Any] | None = None,
+) -> torch.fx.GraphModule:
+    """The transform behind `autocast_graph` (policy already resolved).
+
+    ``written``: module path keys whose ops run as written (float32 overrides); ``env``, when
+    given, receives each node of ``graph_module`` mapped to what stands for its value in the new graph.
+    """
+    check_meta(graph_module.graph)
+    attrs = _attrs(graph_module)
+    rw = Rewriter(rules, {device_type: (True, dtype)}, fake_mode_of(graph_module.graph), attrs, events, written)
+    out = rw.run(graph_module.graph, {} if env is None else env)
+    rw.graph.output(out)
+    rw.graph._codegen = graph_module.graph._codegen
+    for node in list(rw.graph.nodes):  # submodules of inlined wrap_with_autocast regions
+        if node.op == "get_attr" and not node.users and isinstance(rw.attrs.get(node.target), torch.nn.Module):
+            rw.graph.erase_node(node)
+    rw.graph.lint()
+    used = {n.target for n in rw.graph.nodes if n.op in ("get_attr", "call_module")}
+    new = torch.fx.GraphModule({k: v for k, v in rw.attrs.items() if k in used}, rw.graph)
+    new.meta.update(getattr(graph_module, "meta", {}))
+    warn_traced_moves(rw.traced_moves)
+    return new
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A program traced for the FX passes, before the autocast rewrite.
+
+    ``graph``: the traced graph over the module's own state, float8 matmuls in place under a float8
+    policy; ``module``: the traced module (None for a function); ``written``: module path keys run as
+    written; ``output``: the dtype of floating outputs (an fmp policy's), or None.
+    """
+
+    graph: torch.fx.GraphModule
+    module: torch.nn.Module | None
+    device_type: str
+    dtype: torch.dtype
+    rules: RuleSet
+    recipe: Float8Recipe | None
+    written: tuple[str, ...]
+    output: torch.dtype | None
+
+
+def prepare(
+    fn_or_module: Callable | torch.nn.Module,
+    example_inputs: Sequence[Any],
+    policy: Any,
+    device_type: str | None,
+    dtype: Any,
+    rules: RuleSet | None,
+    overrides: Mapping[str, Any] | None,
+    float8_matmul: str,
+    check: Callable[[Float8Recipe | None], None] | None = None,
+) -> Prepared:
+    """The set-up both ``autocast_fx`` and ``explain_fx`` run: policy, float8 recipe, overrides, kernel,
+    trace, state, float8 matmuls. ``check(recipe)`` runs the caller's own argument checks once the recipe
+    is known, before anything is traced."""
+    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules, float8=True)
+    recipe = float8_recipe(policy)
+    opt_out, written = check_overrides(overrides, policy, recipe, dtype)
+    if check is not None:
+        check(recipe)
+    kernel = check_kernel(float8_matmul, recipe, policy)
+    gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
+    module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
+    bound = bind_state(gm, module, names, codegen)
+    if recipe is not None:
+        mode = fake_mode_of(bound.graph)
+        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
+    return Prepared(bound, module, device_type, dtype, rules, recipe, written, policy_output(policy))
