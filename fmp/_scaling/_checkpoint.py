@@ -113,7 +113,9 @@ class ScalerCheckpoint:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Self:
         """Returns a new scaler holding ``state_dict``'s state (torch's name; nothing is mutated).
 
-        The hyper-parameters come from the dict, like torch; ``enabled``, ``min_scale``,
+        Unlike torch's (and ``fmp.torch.GradScaler``'s) ``load_state_dict``, which loads in place and returns
+        None, this one returns the loaded scaler, as an immutable pytree must: write
+        ``scaler = scaler.load_state_dict(sd)``. The hyper-parameters come from the dict, like torch; ``enabled``, ``min_scale``,
         ``max_scale``, ``dynamic`` and ``max_consecutive_overflows`` are kept from ``self``. A disabled scaler returns itself.
         """
         if not self.enabled:

@@ -86,7 +86,8 @@ class ScalerSettings:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a scaler state written by this class, ``torch.amp.GradScaler`` or ``fmp.GradScaler``.
 
-        A no-op when disabled. Unlike torch, every key is checked before anything
+        Loads in place and returns None, as torch's does; the JAX ``fmp.GradScaler.load_state_dict``
+        returns a new scaler instead (an immutable pytree). A no-op when disabled. Unlike torch, every key is checked before anything
         is changed, so a bad dict leaves the scaler as it was.
 
         Raises:
