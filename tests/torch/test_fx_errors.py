@@ -92,6 +92,7 @@ def test_hf_ctc_loss_with_labels_names_the_labels_check():
         fmp.torch.autocast_fx(lambda a, b: model(a, labels=b).loss, (audio, labels))
     assert "modeling_wav2vec2.py:" in str(info.value)
     assert "labels.max() >= self.config.vocab_size" in str(info.value)
+    assert f"(an installed package's code, reached from {__file__}:" in str(info.value)  # our lambda's line
     # without labels it traces, and the logits are eager autocast's
     gm = fmp.torch.autocast_fx(lambda a: model(a).logits, (audio,))
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any
 
-from jax.extend import source_info_util
 from jax.extend.core import JaxprEqn
 
 from fmp._autocast._engine._dims import contracted_size
+from fmp._core import _frames
 
 
 def source(eqn: JaxprEqn, traceback: Any = None) -> str:
-    """The user's source line of ``eqn`` (``""`` when unknown); ``traceback`` replaces the equation's own."""
+    """The user's source line of ``eqn`` (``""`` when no frame is the user's, see ``fmp._core._frames``);
+    ``traceback`` replaces the equation's own."""
     try:
-        info = eqn.source_info if traceback is None else eqn.source_info.replace(traceback=traceback)
-        return source_info_util.summarize(info)
+        return _summary(eqn.source_info.traceback if traceback is None else traceback, _frames.rule())
     except Exception:  # noqa: BLE001 - a report line must never break the rewrite
         return ""
+
+
+@functools.lru_cache(maxsize=256)
+def _summary(traceback: Any, rule: _frames.Rule) -> str:
+    """``file:line:column (function)`` of the innermost user frame of a JAX traceback, as JAX writes it."""
+    if traceback is None:
+        return ""
+    codes, offsets = traceback.raw_frames()  # innermost first
+    i = _frames.user_frame(range(len(codes)), lambda k: codes[k].co_filename, rule)
+    if i is None:
+        return ""
+    code = codes[i]
+    line, _, column, _ = next(itertools.islice(code.co_positions(), offsets[i] // 2, None), (None,) * 4)
+    line = code.co_firstlineno if line is None else line
+    where = f"{code.co_filename}:{line}:{column}" if column else f"{code.co_filename}:{line}"
+    return f"{where} ({code.co_qualname})"
 
 
 def flops(eqn: JaxprEqn) -> float:

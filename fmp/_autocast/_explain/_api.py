@@ -44,7 +44,10 @@ def explain(
     Returns a function taking ``fn``'s arguments; it traces and rewrites ``fn``
     (nothing is computed) and returns a ``Report``: one
     row per equation after the rewrite (nested bodies flattened in order) with
-    the primitive, the user's source line, input and output dtypes before and
+    the primitive, the user's source line (the innermost frame outside fmp,
+    JAX, the standard library and installed packages such as flax; ``""``
+    when there is none; ``FMP_USER_PACKAGES=pkg1,pkg2`` names installed
+    packages that are yours), input and output dtypes before and
     after, the rule that decided it and its FLOPs, plus one ``cast`` row per
     cast fmp inserted. ``print(report)`` shows a table; ``report.to_dict()``
     returns plain data; ``report.summary`` holds the low-precision FLOP share,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -12,7 +11,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-import fmp
+from fmp._core._frames import user_frame
 from fmp._core._rules import RuleSet
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
@@ -22,7 +21,6 @@ from fmp.torch._fx._float8 import float8_events
 from fmp.torch._fx._prepare import prepare, resolve_policy, rewrite
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
 _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
 _MSG_FLOAT8 = (
@@ -32,13 +30,11 @@ _MSG_FLOAT8 = (
 
 
 def _source(node: torch.fx.Node | None) -> str:
-    """``/path/to/file.py:12 (fn)`` of the innermost user frame of a node's stack trace, or ``""``."""
+    """``/path/to/file.py:12 (fn)`` of the innermost user frame of a node's stack trace (``fmp._core._frames``),
+    or ``""`` when no frame is the user's."""
     trace = node.meta.get("stack_trace", "") if node is not None else ""
-    frames = _FRAME.findall(trace or "")
-    for path, line, fn in reversed(frames):
-        if not path.startswith(_LIBRARY_DIRS):
-            return f"{path}:{line} ({fn})"
-    return ""
+    found = user_frame(reversed(_FRAME.findall(trace or "")), lambda frame: frame[0])
+    return f"{found[0]}:{found[1]} ({found[2]})" if found else ""
 
 
 def _flops(op: str, node: torch.fx.Node) -> float:
@@ -153,7 +149,8 @@ def explain_fx(
     """The precision report of `autocast_fx`: which op runs in which dtype, and why.
 
     Takes the arguments of `autocast_fx`. Each row gives the op
-    (``aten::linear``), the user's source line, the module path (``scope``), the rule
+    (``aten::linear``), the user's source line (as ``fmp.explain``'s: past torch and installed
+    packages such as transformers; ``FMP_USER_PACKAGES`` names yours), the module path (``scope``), the rule
     (``lower_precision``, ``float32``, ``promote``, ``unlisted``, ``cast`` for an inserted
     cast, ``user_cast`` for one the program makes, ``override`` for an op a float32
     override runs as written, ``float8`` for a float8 matmul, whose ``detail`` names its

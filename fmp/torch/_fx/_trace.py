@@ -12,9 +12,7 @@ device moves that a trace without autocast recorded as casts.
 from __future__ import annotations
 
 import inspect
-import os
 import re
-import sysconfig
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-import fmp
+from fmp._core import _frames
 from fmp.torch._fx._casts import GRAD_LEAF, is_grad_leaf
 from fmp.torch._fx._common import ambient_autocast
 
@@ -72,9 +70,6 @@ _PLAIN_OUTPUTS = (torch.Tensor, int, float, bool, complex, str, type(None), torc
 _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 _REAL_TRACE_READ = "trying to get value out of a tracing tensor"  # make_fx's error for a value read in a real trace
 _TO_DTYPE_LAYOUT = torch.ops.aten.to.dtype_layout
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fmp))
-_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
-_SITE = tuple(sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib"))
 _STACK_FILE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -91,20 +86,22 @@ def _is_data_dependent(err: BaseException) -> bool:
     return isinstance(err, _DATA_DEPENDENT) or _REAL_TRACE_READ in str(err)
 
 
-def _is_program_file(filename: str) -> bool:
-    """Whether a traceback frame is the user's or a model library's code (not torch, fmp or the stdlib)."""
-    if filename.startswith("<") or filename.startswith(_LIBRARY_DIRS):
-        return False
-    return not filename.startswith(_STDLIB) or filename.startswith(_SITE)
+def _line(frame: traceback.FrameSummary) -> str:
+    code = f" ({frame.line.strip()})" if frame.line else ""
+    return f"{frame.filename}:{frame.lineno}{code}"
 
 
 def _where(err: BaseException) -> str:
-    """``file:line (code)`` of the innermost frame of the program (not torch, not fmp) in ``err``'s traceback."""
-    for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        if _is_program_file(frame.filename):
-            code = f" ({frame.line.strip()})" if frame.line else ""
-            return f"{frame.filename}:{frame.lineno}{code}"
-    return "a line of the program (see the traceback above)"
+    """``file:line (code)`` of the innermost user frame in ``err``'s traceback (``fmp._core._frames``); when
+    the innermost frame that is neither torch, fmp nor the standard library is an installed package's (a
+    Hugging Face model), that frame, marked as such, and the user's line that reached it."""
+    rule = _frames.rule()
+    program = [f for f in reversed(traceback.extract_tb(err.__traceback__)) if rule.kind(f.filename) != "framework"]
+    user = next((f for f in program if rule.kind(f.filename) == "user"), None)
+    if program and program[0] is not user:
+        reached = f", reached from {_line(user)}" if user is not None else ""
+        return f"{_line(program[0])} (an installed package's code{reached})"
+    return _line(user) if user is not None else "a line of the program (see the traceback above)"
 
 
 def raise_trace_failure(fake_err: BaseException, real_err: BaseException) -> NoReturn:
