@@ -1,1 +1,1 @@
-"""Framework-neutral reports: op records, the text and plot of a report, the gradient report, and the one comparison core that explain (JAX) and explain_fx (torch) share. Imports neither jax nor torch."""
+"""Framework-neutral reports: op records, the text and plot of a report, the gradient report, and the one comparison core that explain (JAX) and explain_fx (torch) share (``_compare``: value kinds, rounding, statistics; ``_blame``: who is charged with an error, and the fix). Imports neither jax nor torch."""

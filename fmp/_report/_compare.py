@@ -1,19 +1,24 @@
-"""How far one run's values are from a reference run's, and the fix to suggest: the statistics both
-``fmp.explain(compare=True)`` and ``fmp.torch.explain_fx(compare=True)`` report (one formula for both).
+"""How far one run's values are from a reference run's: the statistics both ``fmp.explain(compare=True)``
+and ``fmp.torch.explain_fx(compare=True)`` report, written once for both frameworks.
 
-Framework-neutral: ``array_parts`` takes the array library (``numpy``, ``jax.numpy`` or ``torch``).
+Framework-neutral: a framework hands in its values and a small adapter (``CompareOps``: the dtype name of a
+value, a conversion, the statistics' parts of one pair) and this module does the rest: which values are
+floating or discrete (``value_kind``), a reference value rounded as the policy run saw it (``round_as``,
+``as_arrived``),
+the error statistics of an op's outputs (``output_stats``, from ``array_parts`` and ``combine``) and the
+row they fill (``with_stats``). Who is charged with an error and the fix to suggest: ``_blame``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
-
-from fmp._core._dtypes import LOW_PRECISION as LOW
-from fmp._core._rules import DEFAULT_RULES, RuleSet
+from typing import Any, Protocol
 
 OpRecord = Any  # fmp._report._records.OpRecord (whose plot imports this module)
+Stats = tuple[Any, Any, Any, bool, int]  # the row fields ``STATS``, in order
+STATS = ("error", "sqnr_db", "max_abs_error", "nonfinite", "flips")
 
 # unit roundoff (half the machine epsilon) of each floating dtype an op may run in
 UNIT_ROUNDOFF = {
@@ -68,7 +73,8 @@ EXACT_OPS = frozenset(
 
 
 def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> tuple[Any, Any, Any, bool, int]:
-    """``output_stats`` from the ``_parts`` of each floating output (any array library's scalars)."""
+    """``output_stats`` from the ``array_parts`` of each floating output (any array library's scalars) and the
+    count of changed discrete elements."""
     if not parts:
         return None, None, None, False, flips
     signal = noise = max_abs = 0.0
@@ -110,48 +116,88 @@ def unit_roundoff(row: OpRecord) -> float:
     return max((UNIT_ROUNDOFF[n] for n in names), default=UNIT_ROUNDOFF["float32"])
 
 
-def needs_fix(row: OpRecord) -> bool:
-    """The op's own error is far above its dtype's roundoff, or it overflows."""
-    if row.added_error is None:
-        return False
-    return not math.isfinite(row.added_error) or row.added_error > FAR * unit_roundoff(row)
+class CompareOps(Protocol):
+    """What the comparison needs from an array library (JAX or torch): the rest is written once, here."""
+
+    def dtype_name(self, x: Any) -> str:
+        """The dtype's name (``"bfloat16"``, ``"int32"``, ``"bool"``); ``""`` for a value that is no array or
+        whose dtype has no such name (a PRNG key)."""
+        ...
+
+    def astype(self, x: Any, like: Any) -> Any:
+        """``x`` converted to the dtype of ``like``."""
+        ...
+
+    def parts(self, p: Any, r: Any) -> Sequence[Any]:
+        """``array_parts`` of one floating output against its reference, in ``wide_dtype`` of the two."""
+        ...
+
+    def changed(self, p: Any, r: Any) -> int:
+        """How many elements of a discrete output differ from its reference."""
+        ...
 
 
-def amplified(row: OpRecord, producers: Sequence[OpRecord] = ()) -> bool:
-    """The op's output error is far above its dtype's roundoff and ``AMPLIFIED`` times its inputs' errors,
-    while the op adds none of it: an ill-conditioned op (``cos`` of a large angle, a cancelling
-    subtraction) that magnifies a small rounding of its inputs."""
-    if not row.error or not producers or not math.isfinite(row.error):
-        return False
-    inherited = max((p.error or 0.0) for p in producers)
-    own = row.added_error or 0.0
-    return row.error > FAR * unit_roundoff(row) and row.error > AMPLIFIED * max(inherited, own)
+def value_kind(name: str) -> str:
+    """``"float"`` for a floating dtype name (float8 to float64, bfloat16), ``"discrete"`` for an integer or
+    boolean one (compared as flips), ``""`` for anything else (complex, keys, no array)."""
+    if name.startswith(("float", "bfloat")):
+        return "float"
+    return "discrete" if name == "bool" or name.startswith(("int", "uint")) else ""
 
 
-def suggestion(row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] = (), framework: str = "jax") -> str | None:
-    """Code to paste that runs the op in float32: an override of its scope, or a rule-table move.
+def wide_dtype(*names: str) -> str:
+    """The dtype the statistics of a pair are computed in: float64 when either is, float32 otherwise (the
+    sums are scaled, so none overflows)."""
+    return "float64" if "float64" in names else "float32"
 
-    A discrete op whose outputs changed (``top_k`` on bfloat16 logits), or an op that magnifies its
-    inputs' small error (``amplified``: ``cos`` of an angle rounded to bfloat16), is fixed where its
-    inputs lost their precision: ``producers``, the rows that made its inputs (empty when the op rounded
-    its inputs down itself), are named when they ran in low precision; with none, the flips are
-    inherited. ``framework="torch"`` moves ``aten::`` ops in the rule-table line.
+
+def round_as(ops: CompareOps, ref: Any, like: Any, back: bool = True) -> Any:
+    """``ref`` rounded to the floating dtype of ``like`` (and ``back`` to its own): a reference value as it
+    reached an op in the policy run. ``ref`` itself (the same object) when the dtypes agree or either value
+    is not floating."""
+    a, b = ops.dtype_name(ref), ops.dtype_name(like)
+    if a == b or value_kind(a) != "float" or value_kind(b) != "float":
+        return ref
+    rounded = ops.astype(ref, like)
+    return ops.astype(rounded, ref) if back else rounded
+
+
+def as_arrived(ops: CompareOps, refs: Sequence[Any], likes: Sequence[Any]) -> tuple[list[Any], list[Any] | None]:
+    """The inputs an op's added error is measured on: the reference inputs ``refs`` rounded to the dtypes
+    they reached the op in under the policy (those of ``likes``), for the op under the policy; and the same
+    rounded back to their own dtypes, for the op as written (``None`` when nothing was rounded: the
+    reference output is then its baseline). So a rounding where a value was made counts at the op that made
+    it, and a cast an op's rule inserts counts at that op."""
+    arrived = [round_as(ops, r, x, back=False) for r, x in zip(refs, likes, strict=True)]
+    if all(a is r for a, r in zip(arrived, refs, strict=True)):
+        return arrived, None
+    return arrived, [round_as(ops, r, x) for r, x in zip(refs, likes, strict=True)]
+
+
+def split_outputs(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> tuple[list, list]:
+    """The ``(policy, reference)`` pairs of the floating outputs (compared by their error) and of the
+    discrete ones (compared by their flips); other outputs are not compared."""
+    floats, discrete = [], []
+    for p, r in zip(outs, refs, strict=True):
+        kind = value_kind(ops.dtype_name(r))
+        if kind == "discrete":
+            discrete.append((p, r))
+        elif kind == "float" and value_kind(ops.dtype_name(p)) == "float":
+            floats.append((p, r))
+    return floats, discrete
+
+
+def output_stats(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> Stats:
+    """``(error, sqnr_db, max_abs_error, nonfinite, flips)`` of ``outs`` against ``refs``.
+
+    ``error`` is the relative L2 error over all floating outputs (``None`` when there are none);
+    ``nonfinite`` says an inf/NaN appeared where the reference is finite (then ``error`` is inf); ``flips``
+    counts changed integer and boolean elements. Sums of squares are scaled, so no value overflows them.
     """
-    culprits = [row]
-    low = [p for p in producers if any(n in LOW for n in p.out_after)]
-    if row.flips:
-        rounds_itself = not producers and any(n in LOW for n in row.in_after)
-        if not (low or rounds_itself):
-            return None
-        culprits = low or [row]
-    elif low and amplified(row, producers):
-        culprits = low
-    elif not needs_fix(row):
-        return None
-    if all(c.scope for c in culprits):
-        scopes = ", ".join(f'"{s}": "float32"' for s in dict.fromkeys(c.scope for c in culprits))
-        return f"overrides={{{scopes}}}"
-    base = "fmp.DEFAULT_RULES" if rules is DEFAULT_RULES else "rules"
-    ops = ", ".join(f'"{op}"' for op in dict.fromkeys(c.op for c in culprits))
-    where = 'framework="torch", ' if framework == "torch" else ""
-    return f"rules={base}.derive({where}float32=[{ops}])"
+    floats, discrete = split_outputs(ops, outs, refs)
+    return combine([ops.parts(p, r) for p, r in floats], sum(ops.changed(p, r) for p, r in discrete))
+
+
+def with_stats(row: OpRecord, stats: Stats, added_error: Any) -> OpRecord:
+    """``row`` with the statistics of its outputs (``output_stats``) and the error it adds by itself."""
+    return dataclasses.replace(row, added_error=added_error, **dict(zip(STATS, stats, strict=True)))

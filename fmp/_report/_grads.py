@@ -94,6 +94,13 @@ def relative_error(p: np.ndarray, r: np.ndarray) -> tuple[float, float, float, b
         return error, cosine, float(np.max(np.abs(d), initial=0.0)), False
 
 
+def grad_error(p: np.ndarray, r: np.ndarray, **extra: Any) -> GradError:
+    """A gradient ``p`` against its reference ``r`` (float64 arrays, unscaled); ``extra``: the float16 range
+    fields of a float16 policy."""
+    error, cosine, max_abs, nonfinite = relative_error(p, r)
+    return GradError(error, cosine, max_abs, nonfinite, **extra)
+
+
 def float16_range(r: np.ndarray, scale: float) -> tuple[float, float, float | None, float | None, float, float]:
     """Of a gradient ``r`` (float64, unscaled) held in float16 at ``scale``: ``(underflow, subnormal,
     scale_needed, scale_max, lo, largest |r|)``; the scales are ``None`` when ``r`` is 0.

@@ -244,7 +244,7 @@ def test_buffers_and_inputs_are_left_as_they_were():
 def test_torch_and_jax_statistics_agree():
     jnp = pytest.importorskip("jax.numpy")
     from fmp._autocast._explain import _stats as js
-    from fmp.torch._fx import _compare_stats as ts
+    from fmp.torch._fx import _compare as ts
 
     rng = np.random.default_rng(0)
     for n in (100, 1 << 17):  # NumPy and compiled paths on the JAX side

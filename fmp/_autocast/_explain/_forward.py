@@ -12,8 +12,6 @@ with a clear error.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,15 +21,16 @@ from jax.extend.core import primitives as core_prims
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
-from fmp._autocast._engine._context import Context, Handler, aval_of, float_names
+from fmp._autocast._engine._context import Context, Handler
 from fmp._autocast._engine._interp import bind, eval_jaxpr, rewrite_eqn
 from fmp._autocast._engine._provenance import is_inline_call
 from fmp._autocast._explain import _loops
-from fmp._autocast._explain._stats import Deferred, resolve, suggestion
+from fmp._autocast._explain._stats import JAX_OPS, Deferred, resolve
 from fmp._autocast._hops import _calls
 from fmp._autocast._hops._helpers import helper_call
 from fmp._autocast._transform import run_top
-from fmp._report._compare import EXACT_OPS
+from fmp._report._blame import charged, fill
+from fmp._report._compare import EXACT_OPS, as_arrived
 from fmp._report._records import LOW
 
 _MSG_BODY = (
@@ -54,16 +53,15 @@ class Comparison:
         self.envs: list[dict[Any, Any]] = []
         self.last: list[dict[int, list[Any]]] = []  # per jaxpr: id(equation) -> variables it reads last
         self.rows: dict[Any, int] = {}  # variable -> index of the explain row of the equation that made it
-        # variable made by an op that only moves values (a slice of rotary angles) -> the rows that computed them
-        self.origins: dict[Any, list[int]] = {}
+        # index of a compared row -> the rows that made its inputs (the graph the blame walks upstream)
+        self.makers: dict[int, list[int]] = {}
         self.pending: list[Any] | None = list(args)  # reference inputs of the next jaxpr entered
         self.pending_rows: list[int | None] = []  # and the rows that made them
-        self.pending_origins: list[list[int] | None] = []  # and ``origins`` of them
         self.returned: list[Any] | None = None  # reference outputs of the last jaxpr left
         self.returned_rows: list[int | None] = []  # and the rows that made them
-        self.returned_origins: list[list[int] | None] = []  # and ``origins`` of them
-        # rows whose statistics are still on their way: (row, output stats, added-error stats, producer rows)
-        self.jobs: list[tuple[int, Deferred, Deferred, list[int]]] = []
+        # rows whose statistics are still on their way: (row, output stats, added-error stats, whether the
+        # op's rule rounded its inputs down itself)
+        self.jobs: list[tuple[int, Deferred, Deferred, bool]] = []
         self.held = 0  # bytes their statistics hold until they are resolved
 
     def enter(self, jaxpr: Jaxpr, consts: Sequence[Any]) -> None:
@@ -72,15 +70,12 @@ class Comparison:
         env = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, self.pending, strict=True))
         made = dict(zip(jaxpr.invars, self.pending_rows, strict=False))
-        for v, o in itertools.zip_longest(jaxpr.invars, self.pending_origins[: len(jaxpr.invars)]):
-            self.origins.pop(v, None)  # a body runs again (a loop): a row of its last run is no maker now
-            if o and made.get(v) is not None:
-                self.origins[v] = o
+        for v in jaxpr.invars:
             if made.get(v) is None:
-                self.rows.pop(v, None)
+                self.rows.pop(v, None)  # a body runs again (a loop): a row of its last run is no maker now
             else:
                 self.rows[v] = made[v]
-        self.pending, self.pending_rows, self.pending_origins = None, [], []
+        self.pending, self.pending_rows = None, []
         self.envs.append(env)
         self.last.append(_last_uses(jaxpr))
 
@@ -89,7 +84,6 @@ class Comparison:
         self.last.pop()
         self.returned = [v.val if isinstance(v, Literal) else env[v] for v in jaxpr.outvars]
         self.returned_rows = [self.rows.get(v) for v in jaxpr.outvars]
-        self.returned_origins = [self.origins.get(v) for v in jaxpr.outvars]
 
     def step(self, eqn: JaxprEqn, invals: list[Any], scope: str) -> list[Any]:
         """Runs ``eqn`` under the policy and as written; returns the policy outputs."""
@@ -100,7 +94,6 @@ class Comparison:
         mark = len(records)
         self.pending, self.returned = ref_in, None
         self.pending_rows = [None if isinstance(v, Literal) else self.rows.get(v) for v in eqn.invars]
-        self.pending_origins = [None if isinstance(v, Literal) else self.origins.get(v) for v in eqn.invars]
         outs = rewrite_eqn(eqn, invals, ctx, scope)
         nested = eqn.primitive in ctx.handlers and self.returned is not None
         ref_out = self.returned if nested else bind(eqn, ref_in, eqn.params)
@@ -110,30 +103,23 @@ class Comparison:
             env.pop(v, None)  # a reference value no later equation reads (streaming: its memory is freed)
         for v in eqn.outvars:
             self.rows.pop(v, None)  # set again below where a row made it
-            self.origins.pop(v, None)
         if nested:
             self.rows.update((v, i) for v, i in zip(eqn.outvars, self.returned_rows, strict=True) if i is not None)
-            self.origins.update((v, o) for v, o in zip(eqn.outvars, self.returned_origins, strict=False) if o)
-        self.returned_origins = []
         rows = [i for i in range(mark, len(records)) if records[i].category != "cast"]
         if len(rows) == 1 and records[rows[0]].op == eqn.primitive.name and not nested:
-            read = [v for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
-            made = [k for v in read for k in self.origins.get(v, [self.rows[v]])]
+            self.makers[rows[0]] = [self.rows[v] for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
             casts = [r for r in records[mark:] if r.category == "cast"]
             down = any(set(r.out_after) & set(LOW) for r in casts)
-            moves = not casts and _moves_values(eqn, records[rows[0]])
-            if moves or (not casts and _as_written(records[rows[0]])):
+            if not casts and (_moves_values(eqn, records[rows[0]]) or _as_written(records[rows[0]])):
                 added = Deferred.exact(outs)  # on the reference inputs the op computes the reference output
             else:
                 alone, baseline = self._alone(eqn, invals, ref_in, scope)
                 added = Deferred(alone, baseline or ref_out)
-            self.jobs.append((rows[0], Deferred(outs, ref_out), added, made if not down else []))
+            self.jobs.append((rows[0], Deferred(outs, ref_out), added, down))
             self.held += self.jobs[-1][1].held + added.held
             if self.held > _HOLD:
                 self.flush()
             self.rows.update((v, rows[0]) for v in eqn.outvars)
-            if moves and made:  # the values it moves were computed (and rounded) by its inputs' makers
-                self.origins.update((v, made) for v in eqn.outvars)
         return outs
 
     def _alone(self, eqn: JaxprEqn, invals: list[Any], ref_in: list[Any], scope: str) -> tuple[list[Any], Any]:
@@ -145,34 +131,25 @@ class Comparison:
         output) counts at the op that made it, and a cast the op's rule inserts counts at the op.
         """
         ctx = self.ctx
-        arrived = [_round_as(r, x, back=False) for r, x in zip(ref_in, invals, strict=True)]
+        arrived, back = as_arrived(JAX_OPS, ref_in, invals)
         saved, ctx.records = ctx.records, None  # no rows for this second run
         try:
             alone = rewrite_eqn(eqn, arrived, ctx, scope)
         finally:
             ctx.records = saved
-        if all(a is r for a, r in zip(arrived, ref_in, strict=True)):
-            return alone, None
-        return alone, bind(eqn, [_round_as(r, x) for r, x in zip(ref_in, invals, strict=True)], eqn.params)
+        return alone, None if back is None else bind(eqn, back, eqn.params)
 
     def flush(self) -> None:
         """Writes the statistics started so far into their rows (one transfer from the device for all)."""
         jobs, self.jobs, self.held = self.jobs, [], 0
         resolve([d for _, out, alone, _ in jobs for d in (out, alone)])
         records = self.ctx.records if self.ctx.records is not None else []
-        for i, out, alone, made in jobs:
-            err, sqnr, max_abs, nonfinite, flips = out.result()
-            row = dataclasses.replace(
-                records[i],
-                error=err,
-                added_error=alone.result()[0],
-                sqnr_db=sqnr,
-                max_abs_error=max_abs,
-                nonfinite=nonfinite,
-                flips=flips,
-            )
-            fix = suggestion(row, self.ctx.rules, [records[k] for k in made])
-            records[i] = dataclasses.replace(row, suggestion=fix) if fix else row
+        for i, out, alone, down in jobs:  # in program order: the rows upstream of one are filled before it
+
+            def upstream(i: int = i) -> list[Any] | None:
+                return charged(self.makers.get(i, ()), lambda k: self.makers.get(k, ()), records.__getitem__)
+
+            records[i] = fill(records[i], out.result(), alone.result()[0], self.ctx.rules, None if down else upstream)
 
 
 def _last_uses(jaxpr: Jaxpr) -> dict[int, list[Any]]:
@@ -191,7 +168,8 @@ def _last_uses(jaxpr: Jaxpr) -> dict[int, list[Any]]:
 
 
 def _moves_values(eqn: JaxprEqn, row: Any) -> bool:
-    """``eqn`` only moves, selects or compares its inputs' values (``EXACT_OPS``) and rounds none of them."""
+    """``eqn`` only moves, selects or compares its inputs' values (``EXACT_OPS``) and rounds none of them: on
+    the reference inputs it computes the reference output (it adds no error)."""
     return eqn.primitive.name in EXACT_OPS and set(row.out_after) <= set(row.in_after)
 
 
@@ -199,18 +177,6 @@ def _as_written(row: Any) -> bool:
     """The op ran in the dtypes the program wrote (inputs and outputs), so on the reference inputs it is
     the program as written."""
     return row.category != "float8" and row.in_after == row.in_before and row.out_after == row.out_before
-
-
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and bool(float_names([aval_of(x)]))
-
-
-def _round_as(ref: Any, val: Any, back: bool = True) -> Any:
-    """``ref`` rounded to the floating dtype of ``val`` (and ``back`` to its own); ``ref`` when they agree."""
-    if not (_is_float(ref) and _is_float(val)) or aval_of(ref).dtype == aval_of(val).dtype:
-        return ref
-    rounded = jax.lax.convert_element_type(ref, aval_of(val).dtype)
-    return jax.lax.convert_element_type(rounded, aval_of(ref).dtype) if back else rounded
 
 
 def _evaluated(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

@@ -30,12 +30,13 @@ from fmp._autocast._engine._cast import is_rounding
 from fmp._autocast._engine._context import REGION_SCOPE, aval_of, float_names
 from fmp._autocast._engine._interp import bind
 from fmp._autocast._engine._rows import source
-from fmp._autocast._explain._stats import needs_fix, output_stats
-from fmp._core._rules import DEFAULT_RULES, RuleSet
+from fmp._autocast._explain._stats import JAX_OPS, output_stats
+from fmp._core._rules import RuleSet
 from fmp._report import _grads as gr
-from fmp._report._records import LOW, OpRecord, short_source
+from fmp._report._blame import backward_suggestion
+from fmp._report._compare import as_arrived, with_stats
+from fmp._report._records import OpRecord, short_source
 
-_STATS = ("error", "sqnr_db", "max_abs_error", "nonfinite", "flips")  # the fields output_stats returns, in order
 _LIFTED = frozenset({"float16", "bfloat16"})
 # bodies evaluated equation by equation (a custom derivative's primal body: only its values are needed here)
 _CALLS = {
@@ -167,11 +168,9 @@ class _Runs:
     def _row(
         self, eqn: JaxprEqn, scope: str, full: str, ins: list[Any], s_ins: list[Any], outs: list, s_outs: list
     ) -> None:
-        arrived = [_round(s, x) for s, x in zip(s_ins, ins, strict=True)]
+        arrived, back = as_arrived(JAX_OPS, s_ins, ins)
         alone = bind(eqn, arrived, eqn.params)
-        same = all(a is s for a, s in zip(arrived, s_ins, strict=True))
-        base = s_outs if same else self.lifted(eqn, [_round(a, s) for a, s in zip(arrived, s_ins, strict=True)])
-        stats = dict(zip(_STATS, output_stats(outs, s_outs), strict=True))
+        base = s_outs if back is None else self.lifted(eqn, back)
         row = OpRecord(
             index=len(self.rows),
             op=eqn.primitive.name,
@@ -183,11 +182,10 @@ class _Runs:
             out_before=float_names([aval_of(x) for x in s_outs]),
             out_after=float_names([aval_of(x) for x in outs]),
             source_full=full,
-            added_error=output_stats(alone, base)[0],
             underflow=self._underflow(outs, s_outs),
-            **stats,
         )
-        fix = self._fix(row) if (row.nonfinite or needs_fix(row)) else None
+        row = with_stats(row, output_stats(outs, s_outs), output_stats(alone, base)[0])
+        fix = backward_suggestion(row, self.forward, self.rules)
         self.rows.append(row if fix is None else dataclasses.replace(row, suggestion=fix))
 
     def _underflow(self, outs: list[Any], s_outs: list[Any]) -> float | None:
@@ -203,39 +201,6 @@ class _Runs:
             nonzero, lost = nonzero + n, lost + (under + sub) * n
             self.range = (min(self.range[0], lo / self.scale), max(self.range[1], hi / self.scale))
         return lost / nonzero if nonzero else 0.0
-
-    def _fix(self, row: OpRecord) -> str | None:
-        """The forward rows of the op this backward op differentiates (same source line and scope) that ran in
-        low precision, as a fix; ``None`` where the line is unknown."""
-        culprits = [
-            f
-            for f in self.forward
-            if row.source_full
-            and f.source_full == row.source_full
-            and f.scope == row.scope
-            and f.category not in ("cast", "user_cast")
-            and any(n in LOW for n in f.out_after)
-        ]
-        if not culprits:
-            return None
-        if all(c.scope for c in culprits):
-            return (
-                "overrides={" + ", ".join(f'"{s}": "float32"' for s in dict.fromkeys(c.scope for c in culprits)) + "}"
-            )
-        base = "fmp.DEFAULT_RULES" if self.rules is DEFAULT_RULES else "rules"
-        return (
-            f"rules={base}.derive(float32=["
-            + ", ".join(f'"{op}"' for op in dict.fromkeys(c.op for c in culprits))
-            + "])"
-        )
-
-
-def _round(ref: Any, val: Any) -> Any:
-    """``ref`` in the floating dtype of ``val`` (``ref`` itself when they agree or either is not floating)."""
-    a, b = getattr(ref, "dtype", None), getattr(val, "dtype", None)
-    if a is None or b is None or a == b or not (jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)):
-        return ref
-    return jax.lax.convert_element_type(ref, b)
 
 
 def _backward(stack: tuple) -> bool:
@@ -300,12 +265,11 @@ def compare(
     for (path, r), g in zip(paths, grads, strict=True):
         r64 = np.asarray(r, np.float64)
         p64 = np.asarray(g, np.float64) / scale
-        error, cosine, max_abs, nonfinite = gr.relative_error(p64, r64)
         extra: dict[str, Any] = {}
         if fp16:
             under, sub, needed, most, l_lo, l_hi = gr.float16_range(r64.ravel(), scale)
             extra = {"underflow": under, "subnormal": sub, "scale_needed": needed, "scale_max": most}
             lo, hi = min(lo, l_lo), max(hi, l_hi)
-        errors[jax.tree_util.keystr(path)] = gr.GradError(error, cosine, max_abs, nonfinite, **extra)
+        errors[jax.tree_util.keystr(path)] = gr.grad_error(p64, r64, **extra)
     needed, most = gr.scales(lo, hi) if fp16 else (None, None)
     return gr.GradReport(errors, tuple(runs.rows), scale, fp16, needed, most)

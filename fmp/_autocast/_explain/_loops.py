@@ -19,9 +19,10 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, is_constant, like_avals
 from fmp._autocast._engine._interp import eval_jaxpr, transform_closed
-from fmp._autocast._explain._stats import output_stats, suggestion
+from fmp._autocast._explain._stats import output_stats
 from fmp._autocast._hops._control import loop_body, pin_outputs
 from fmp._autocast._hops._control import pin as _hops_pin
+from fmp._report._blame import suggestion
 from fmp._report._records import LOW, OpRecord
 
 
@@ -42,7 +43,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     carry = pin(carry, carry_avals, ctx)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
-    made, origins = list(cmp.pending_rows), list(cmp.pending_origins)  # the rows that made the scan's inputs
+    made = list(cmp.pending_rows)  # the rows that made the scan's inputs
     writers: list[int | None] = made[nc : nc + nk]
     blocks: list[tuple[int, int]] = []
     ys: list[list[Any]] = []
@@ -51,7 +52,6 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
         mark = len(records)
         cmp.pending = [*r_consts, *r_carry, *(x[t] for x in r_xs)]
         cmp.pending_rows = [*made[:nc], *writers, *made[nc + nk :]]  # the carry: made by the last iteration
-        cmp.pending_origins = [*origins[:nc], *[None] * nk, *origins[nc + nk :]]
         outs = eval_jaxpr(closed.jaxpr, closed.consts, [*consts, *carry, *(x[t] for x in xs)], ctx, scope)
         carry = pin(outs[:nk], carry_avals, ctx)
         r_carry = cmp.returned[:nk]
@@ -65,7 +65,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     _finish(ctx, blocks, writers, carry, r_carry, inputs_error)
     stacked = [jnp.stack(c) for c in zip(*ys, strict=True)]
     cmp.returned = [*r_carry, *(jnp.stack(c) for c in zip(*r_ys, strict=True))]
-    cmp.returned_rows, cmp.returned_origins = [None] * (nk + len(stacked)), []
+    cmp.returned_rows = [None] * (nk + len(stacked))
     return [*carry, *stacked]
 
 
@@ -90,13 +90,14 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, quiet, scope)
     records = ctx.records if ctx.records is not None else []
     inputs_error = output_stats(invals, ref)[0] or 0.0
-    made, origins = list(cmp.pending_rows), list(cmp.pending_origins)  # the rows that made the loop's inputs
+    made = list(cmp.pending_rows)  # the rows that made the loop's inputs
     tests: list[OpRecord] = []  # the condition's rows, every evaluation (they follow the body's rows)
     test_blocks: list[tuple[int, int]] = []
 
     def test() -> tuple[bool, bool]:
         cmp.flush()  # the statistics started so far belong to the rows in ``records``
         saved, ctx.records = ctx.records, []
+        makers, cmp.makers = cmp.makers, {}  # indices of the rows kept apart
         try:
             cmp.pending, cmp.pending_rows = [*r_cconsts, *r_carry], []  # its rows are kept apart: no makers
             pred = eval_jaxpr(cond.jaxpr, cond.consts, [*cconsts, *carry], ctx, scope)[0]
@@ -104,7 +105,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
             cmp.flush()
             got = ctx.records
         finally:
-            ctx.records = saved
+            ctx.records, cmp.makers = saved, makers
         test_blocks.append((len(tests), len(tests) + len(got)))
         tests.extend(got)
         return bool(pred), bool(r_pred)
@@ -116,7 +117,6 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     while more and r_more:
         mark = len(records)
         cmp.pending, cmp.pending_rows = [*r_bconsts, *r_carry], [*made[nc : nc + nb], *writers]
-        cmp.pending_origins = origins[nc : nc + nb]
         carry = pin(eval_jaxpr(body.jaxpr, body.consts, [*bconsts, *carry], ctx, scope), carry_avals, ctx)
         r_carry, writers = cmp.returned, list(cmp.returned_rows)
         blocks.append((mark, len(records)))
@@ -140,7 +140,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
         detail = f"the loop ran {n} iterations under the policy, {r_n} as written"
         for i in range(start, len(records)):
             records[i] = dataclasses.replace(records[i], detail=_join(records[i].detail, detail))
-    cmp.returned, cmp.returned_rows, cmp.returned_origins = list(r_carry), [None] * len(carry), []
+    cmp.returned, cmp.returned_rows = list(r_carry), [None] * len(carry)
     return carry
 
 
@@ -154,7 +154,7 @@ def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     cmp = ctx.compare
     branches = eqn.params["branches"]
     invals = [invals[0], *as_body_inputs(invals[1:])]
-    ref, made, origins = cmp.pending, cmp.pending_rows[1:], cmp.pending_origins[1:]
+    ref, made = cmp.pending, cmp.pending_rows[1:]
     last = len(branches) - 1
     i, r_i = (min(max(int(x), 0), last) for x in (invals[0], ref[0]))
     listed = dataclasses.replace(ctx, compare=None, handlers=cmp.rewrite_handlers)
@@ -167,16 +167,15 @@ def cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
             new.append(transform_closed(branch, like_avals(branch.in_avals, invals[1:]), listed, scope))
             records[mark:] = [dataclasses.replace(r, iterations=0) for r in records[mark:]]
             continue
-        cmp.pending, cmp.pending_rows, cmp.pending_origins = list(ref[1:]), made, origins
+        cmp.pending, cmp.pending_rows = list(ref[1:]), made
         outs = eval_jaxpr(branch.jaxpr, branch.consts, list(invals[1:]), ctx, scope)
         new.append(None)
-        returned, returned_rows, returned_origins = cmp.returned, cmp.returned_rows, cmp.returned_origins
+        returned, returned_rows = cmp.returned, cmp.returned_rows
         if r_i != i:
             detail = f"branch {i} under the policy, {r_i} as written"
             records[mark:] = [dataclasses.replace(r, detail=_join(r.detail, detail)) for r in records[mark:]]
             returned, returned_rows = list(jaxpr_as_fun(branches[r_i])(*ref[1:])), [None] * len(outs)
-            returned_origins = []
-    cmp.returned, cmp.returned_rows, cmp.returned_origins = returned, returned_rows, returned_origins
+    cmp.returned, cmp.returned_rows = returned, returned_rows
     # where the branches disagree on an output's dtype, the rewrite pins it to the program's in every branch
     # (one cast row per branch that differs, after all branches): the same rows here, the others' not run
     got = [tuple(getattr(a, "dtype", None) for a in (b.out_avals if b else outs)) for b in new]

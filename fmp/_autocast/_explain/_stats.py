@@ -1,5 +1,5 @@
-"""Error statistics of one equation's outputs against the reference run (JAX arrays); the formulas and the
-fix to suggest are ``fmp._report._compare``'s, shared with the torch side.
+"""Error statistics of one equation's outputs against the reference run (JAX arrays): the comparison core's
+(``fmp._report._compare``, shared with the torch side) on ``JAX_OPS``, its adapter for JAX arrays.
 
 The statistics are computed without waiting for the device: ``Deferred`` starts them (large arrays
 reduced by a small compiled function to plain sums of squares, small ones copied as they are) and
@@ -20,24 +20,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fmp._report._compare import array_parts, combine, needs_fix, suggestion
+from fmp._report._compare import Stats, array_parts, combine, split_outputs, value_kind, wide_dtype
 
-__all__ = ["Deferred", "needs_fix", "output_stats", "resolve", "suggestion"]
-
-Stats = tuple[Any, Any, Any, bool, int]
+__all__ = ["JAX_OPS", "Deferred", "output_stats", "resolve"]
 
 
-def _kind(x: Any) -> str:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return ""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:  # an extended dtype (PRNG keys): not compared
-        return ""
-    if dt.kind == "f" or dt.name == "bfloat16" or dt.name.startswith("float8"):
-        return "float"
-    return "discrete" if dt.kind in "iub" else ""
+class JaxCompareOps:
+    """The comparison core's adapter (``fmp._report._compare.CompareOps``) for JAX arrays."""
+
+    @staticmethod
+    def dtype_name(x: Any) -> str:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None:
+            return ""
+        try:
+            return np.dtype(dtype).name
+        except TypeError:  # an extended dtype (PRNG keys): not compared
+            return ""
+
+    @staticmethod
+    def astype(x: Any, like: Any) -> Any:
+        return jax.lax.convert_element_type(x, like.dtype)
+
+    @staticmethod
+    def parts(p: Any, r: Any) -> tuple[Any, ...]:
+        """On the host (NumPy, float64): the small outputs ``Deferred`` does not reduce on the device."""
+        with np.errstate(all="ignore"):
+            return array_parts(np, np.asarray(p).astype(np.float64), np.asarray(r).astype(np.float64))
+
+    @staticmethod
+    def changed(p: Any, r: Any) -> int:
+        return int(np.count_nonzero(np.asarray(p) != np.asarray(r)))
+
+
+JAX_OPS = JaxCompareOps()
 
 
 class Deferred:
@@ -46,15 +62,10 @@ class Deferred:
     def __init__(self, outs: Sequence[Any], refs: Sequence[Any]) -> None:
         self.device: list[Any] = []  # (plain sums, p, r, wide) of the large floating outputs
         self.host: list[tuple[Any, Any]] = []  # small floating outputs and their references, reduced on the host
-        self.discrete: list[tuple[Any, Any]] = []
         self.value: Stats | None = None
-        for p, r in zip(outs, refs, strict=True):
-            kind = _kind(r)
-            if kind == "discrete":
-                self.discrete.append((p, r))
-            if kind != "float" or _kind(p) != "float":
-                continue
-            wide = jnp.float64 if "float64" in (np.dtype(p.dtype).name, np.dtype(r.dtype).name) else jnp.float32
+        floats, self.discrete = split_outputs(JAX_OPS, outs, refs)
+        for p, r in floats:
+            wide = jnp.dtype(wide_dtype(JAX_OPS.dtype_name(p), JAX_OPS.dtype_name(r)))
             if np.size(r) >= _ON_DEVICE:
                 self.device.append((_plain_sums(p, r, wide), p, r, wide))
             else:
@@ -64,7 +75,7 @@ class Deferred:
     def exact(cls, outs: Sequence[Any]) -> Deferred:
         """The statistics of ``outs`` against themselves: no error, nothing to fetch."""
         done = cls([], [])
-        floats = any(_kind(x) == "float" for x in outs)
+        floats = any(value_kind(JAX_OPS.dtype_name(x)) == "float" for x in outs)
         done.value = (0.0, float("inf"), 0.0, False, 0) if floats else combine([], 0)
         return done
 
@@ -84,9 +95,9 @@ class Deferred:
 
     def _finish(self, fetched: list[Any], scaled: dict[int, Any]) -> None:
         device, host, discrete = fetched
-        flips = sum(int(np.count_nonzero(np.asarray(p) != np.asarray(r))) for p, r in discrete)
+        flips = sum(JAX_OPS.changed(p, r) for p, r in discrete)
         parts = [scaled.get(id(d), _from_sums(*sums)) for d, sums in zip(self.device, device, strict=True)]
-        self.value = combine([*parts, *(_float_stats_np(p, r) for p, r in host)], flips)
+        self.value = combine([*parts, *(JAX_OPS.parts(p, r) for p, r in host)], flips)
         self.device, self.host, self.discrete = [], [], []
 
 
@@ -146,8 +157,3 @@ def _from_sums(s_r: Any, s_d: Any, d_max: Any) -> tuple[Any, ...]:
 @functools.partial(jax.jit, static_argnums=2)
 def _float_stats(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
     return array_parts(jnp, p.astype(wide), r.astype(wide))
-
-
-def _float_stats_np(p: Any, r: Any) -> tuple[Any, ...]:
-    with np.errstate(all="ignore"):
-        return array_parts(np, np.asarray(p).astype(np.float64), np.asarray(r).astype(np.float64))

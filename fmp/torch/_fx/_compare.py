@@ -6,29 +6,30 @@ traced graph to the node that holds its value in the new graph, so each op's pol
 reference output as soon as both exist; the statistics are kept and both values are freed after their
 last use (no run keeps every intermediate). An op's own error runs the new graph's piece that computes
 it (the op and the casts its rule inserted, or a decomposition) on the reference inputs rounded as they
-reached it, against the op as written on the same rounded inputs.
+reached it, against the op as written on the same rounded inputs. The statistics, the rounding, the blame
+and the fixes are the comparison core's (``fmp._report``), the JAX side's own, on ``TORCH_OPS``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 from fmp._core._rules import RuleSet
-from fmp._report._compare import FAR, suggestion, unit_roundoff
-from fmp._report._grads import GradError
+from fmp._report import _compare as core
+from fmp._report._blame import charged, fill
+from fmp._report._grads import GradError, grad_error
 from fmp._report._records import LOW, OpRecord
 from fmp.torch._fx._common import TO_COPY, Event, ambient_autocast
-from fmp.torch._fx._compare_stats import grad_error, output_stats, round_as
 from fmp.torch._fx._nested import ENTER_AUTOCAST, EXIT_AUTOCAST
 
 _SKIP = (torch._C._set_grad_enabled,)  # grad mode switches: the forward comparison runs without autograd
-_WALK = 16  # how many ops upstream a discrete op's flips are traced to low-precision producers
 _MSG_RANDOM = (
     "explain_fx(compare=True) runs the program twice and needs the same random numbers in both runs, but "
     "node {node!r} ({op}) draws its own: call model.eval() (dropout off) or compare a program without it."
@@ -38,6 +39,42 @@ _MSG_LOSS = (
     "loss); got {got}. Wrap the model in a module whose forward returns the loss (a Hugging Face model: "
     "model(input_ids, labels=labels, use_cache=False).loss)."
 )
+
+
+class TorchCompareOps:
+    """The comparison core's adapter (``fmp._report._compare.CompareOps``) for torch tensors."""
+
+    @staticmethod
+    def dtype_name(x: Any) -> str:
+        return str(x.dtype).removeprefix("torch.") if isinstance(x, torch.Tensor) else ""
+
+    @staticmethod
+    def astype(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return x.to(like.dtype)
+
+    @staticmethod
+    def parts(p: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """On the tensors' own device, in ``wide_dtype``, as the JAX side's compiled statistics."""
+        wide = getattr(torch, core.wide_dtype(TorchCompareOps.dtype_name(p), TorchCompareOps.dtype_name(r)))
+        with torch.no_grad():
+            return core.array_parts(torch, p.detach().to(wide), r.detach().to(wide), _top)
+
+    @staticmethod
+    def changed(p: Any, r: torch.Tensor) -> int:
+        return int(torch.count_nonzero(p != r)) if isinstance(p, torch.Tensor) and p.shape == r.shape else 0
+
+
+TORCH_OPS = TorchCompareOps()
+
+
+def _top(x: torch.Tensor) -> torch.Tensor:
+    return x.max() if x.numel() else x.new_zeros(())
+
+
+def output_stats(outs: Any, refs: Any) -> core.Stats:
+    """``(error, sqnr_db, max_abs_error, nonfinite, flips)`` of the tensors in ``outs`` against ``refs`` (the
+    structures flattened alike): the comparison core's ``output_stats`` on ``TORCH_OPS``."""
+    return core.output_stats(TORCH_OPS, pytree.tree_leaves(outs), pytree.tree_leaves(refs))
 
 
 class _Runner:
@@ -143,6 +180,10 @@ def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, torch.fx.Node) else n
 
 
+def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return node.all_input_nodes
+
+
 def _clone(x: Any) -> Any:
     return torch.fx.node.map_aggregate(x, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
 
@@ -191,6 +232,11 @@ def compare(
     ref = _Runner(bound, [_clone(x) for x in leaves], regions=True)
     pol = _Runner(new, [_clone(x) for x in leaves], regions=False)
     done: set[torch.fx.Node] = set()
+
+    def row_at(node: torch.fx.Node) -> OpRecord | None:  # the compared row of a node of ``bound``
+        made = env.get(node)
+        return rows[row_of[made]] if isinstance(made, torch.fx.Node) and made in row_of else None
+
     with torch.no_grad():
         for b in bound.graph.nodes:
             n = env.get(b)
@@ -199,76 +245,23 @@ def compare(
             if not (ref.until(b) and pol.until(n)) or b not in ref.env or n not in pol.env:
                 continue
             done.add(n)
-            ins = [a for a in b.all_input_nodes if isinstance(env.get(a), torch.fx.Node)]
-            r_in = {a: ref.before(a) for a in ins if a in ref.env}
-            arrived = {env[a]: round_as(r_in[a], _val(env[a]), back=False) for a in r_in}
-            alone = _alone(new, n, arrived, pol.interp)
-            if all(arrived[env[a]] is r_in[a] for a in r_in):
+            ins = [a for a in b.all_input_nodes if isinstance(env.get(a), torch.fx.Node) and a in ref.env]
+            arrived, back = core.as_arrived(TORCH_OPS, [ref.before(a) for a in ins], [_val(env[a]) for a in ins])
+            alone = _alone(new, n, dict(zip([env[a] for a in ins], arrived, strict=True)), pol.interp)
+            if back is None:
                 baseline = ref.env[b]
             else:
                 with ref.autocast():
-                    back = {a: round_as(r_in[a], _val(env[a])) for a in r_in}
-                    baseline = _alone(bound, b, back, ref.interp)
-            i = row_of[n]
+                    baseline = _alone(bound, b, dict(zip(ins, back, strict=True)), ref.interp)
             down = any(
                 a in casts and a.target is TO_COPY and str(a.kwargs.get("dtype")).removeprefix("torch.") in LOW
                 for a in n.all_input_nodes
             )
-            rows[i] = _attach(rows[i], pol.env[n], ref.env[b], alone, baseline, rules)
-            if rows[i].flips or _may_magnify(rows[i]):  # then the fix is where its inputs lost their precision
-                made = [] if down else _low_producers(b, env, row_of, rows)
-                fix = suggestion(rows[i], rules, made, framework="torch")
-                if rows[i].flips or fix:
-                    rows[i] = dataclasses.replace(rows[i], suggestion=fix)
+            upstream = functools.partial(charged, b.all_input_nodes, _inputs, row_at)
+            added = output_stats(alone, baseline)[0] if alone is not None and baseline is not None else None
+            stats = output_stats(pol.env[n], ref.env[b])
+            rows[row_of[n]] = fill(rows[row_of[n]], stats, added, rules, None if down else upstream, "torch")
     return rows
-
-
-def _may_magnify(row: OpRecord) -> bool:
-    """No fix of its own, but an error far above its dtype's roundoff: an op that may magnify its inputs'
-    error (``amplified``, decided with the rows that made them)."""
-    return row.suggestion is None and (row.error or 0.0) > FAR * unit_roundoff(row)
-
-
-def _low_producers(
-    b: torch.fx.Node, env: dict[torch.fx.Node, Any], row_of: dict[torch.fx.Node, int], rows: list[OpRecord]
-) -> list[OpRecord]:
-    """The nearest rows upstream of ``b`` whose outputs are low precision (through float32 ops such as a
-    softmax between a router's bfloat16 logits and its ``topk``, and through ops that round nothing, such as
-    a slice of rotary angles): where a discrete output's flips start."""
-    found: dict[int, OpRecord] = {}
-    seen: set[torch.fx.Node] = set()
-    frontier = list(b.all_input_nodes)
-    for _ in range(_WALK):
-        upstream = []
-        for a in frontier:
-            if a in seen:
-                continue
-            seen.add(a)
-            i = row_of.get(env.get(a)) if isinstance(env.get(a), torch.fx.Node) else None
-            if i is not None and rows[i].flips:
-                return []  # flips inherited from a discrete op upstream: fixed where that one's start
-            if i is not None and any(n in LOW for n in rows[i].out_after) and not _passes_on(rows[i]):
-                found[i] = rows[i]
-            else:
-                upstream += a.all_input_nodes
-        frontier = upstream
-    return [found[i] for i in sorted(found)]
-
-
-def _passes_on(row: OpRecord) -> bool:
-    """The op rounded nothing: it moved (sliced, viewed) or exactly computed values already in its dtypes, so
-    whatever rounded them lies upstream."""
-    return row.added_error == 0.0 and set(row.out_after) <= set(row.in_after)
-
-
-def _attach(row: OpRecord, out: Any, ref: Any, alone: Any, baseline: Any, rules: RuleSet) -> OpRecord:
-    err, sqnr, max_abs, nonfinite, flips = output_stats(out, ref)
-    added = output_stats(alone, baseline)[0] if alone is not None and baseline is not None else None
-    row = dataclasses.replace(
-        row, error=err, added_error=added, sqnr_db=sqnr, max_abs_error=max_abs, nonfinite=nonfinite, flips=flips
-    )
-    fix = suggestion(row, rules, framework="torch")
-    return dataclasses.replace(row, suggestion=fix) if fix else row
 
 
 def grad_errors(
@@ -289,5 +282,6 @@ def grad_errors(
     out = {}
     for name, r, p in zip(params, *grads, strict=True):
         if r is not None and p is not None:
-            out[name] = grad_error(p, r)
+            with torch.no_grad():
+                out[name] = grad_error(*(t.detach().to(torch.float64).cpu().numpy() for t in (p, r)))
     return out

@@ -1,0 +1,167 @@
+"""Who is charged with an op's error, and the fix to suggest: one rule for ``fmp.explain(compare=True)`` (JAX:
+forward, loops, gradients) and ``fmp.torch.explain_fx(compare=True)``.
+
+An op's row gets a fix for its own error (``needs_fix``: far above its dtype's roundoff, or non-finite), or,
+where its error is inherited, a fix where its inputs lost their precision: a discrete op whose outputs
+changed (``flips``: ``top_k`` on bfloat16 logits) or an op that magnifies its inputs' small error
+(``amplified``: ``cos`` of angles rounded to bfloat16). Those are charged to the rows ``charged`` finds
+upstream: the nearest ones that rounded values to a low-precision dtype, looked through ops that run in
+float32 (a softmax between a router's logits and its ``top_k``) and ops that round nothing (a slice of the
+rotary angles: ``passes_on``). Each framework hands in its graph as two functions (the inputs of a node,
+the row of a node); ``fill`` writes the statistics and the fix into a row.
+
+Framework-neutral: imports neither jax nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+from fmp._core._dtypes import LOW_PRECISION as LOW
+from fmp._core._rules import DEFAULT_RULES, RuleSet
+from fmp._report._compare import AMPLIFIED, FAR, OpRecord, Stats, unit_roundoff, with_stats
+
+# how many ops upstream an inherited error is traced to the rows that rounded its inputs
+WALK = 16
+
+
+def needs_fix(row: OpRecord) -> bool:
+    """The op's own error is far above its dtype's roundoff, or it overflows."""
+    if row.added_error is None:
+        return False
+    return not math.isfinite(row.added_error) or row.added_error > FAR * unit_roundoff(row)
+
+
+def amplified(row: OpRecord, producers: Sequence[OpRecord] = ()) -> bool:
+    """The op's output error is far above its dtype's roundoff and ``AMPLIFIED`` times the error of the rows
+    that rounded its inputs (``producers``) and its own: an ill-conditioned op (``cos`` of a large angle, a
+    cancelling subtraction) that magnifies a small rounding of its inputs."""
+    if not row.error or not producers or not math.isfinite(row.error):
+        return False
+    inherited = max((p.error or 0.0) for p in producers)
+    own = row.added_error or 0.0
+    return row.error > FAR * unit_roundoff(row) and row.error > AMPLIFIED * max(inherited, own)
+
+
+def may_inherit(row: OpRecord) -> bool:
+    """The row's error may be its inputs' (flips, or an error far above its dtype's roundoff): only then do
+    the rows upstream matter to its fix."""
+    return bool(row.flips) or (row.error or 0.0) > FAR * unit_roundoff(row)
+
+
+def passes_on(row: OpRecord) -> bool:
+    """The op rounded nothing: it moved (sliced, viewed) or exactly computed values already in its dtypes, so
+    whatever rounded them lies upstream."""
+    return row.added_error == 0.0 and set(row.out_after) <= set(row.in_after)
+
+
+def rounds_down(row: OpRecord) -> bool:
+    """The op made low-precision values and rounded them itself: an inherited error is charged to it."""
+    return any(n in LOW for n in row.out_after) and not passes_on(row)
+
+
+def charged(
+    start: Iterable[Hashable], inputs: Callable[[Any], Iterable[Hashable]], row: Callable[[Any], OpRecord | None]
+) -> list[OpRecord] | None:
+    """The rows an op's inherited error is charged to: the nearest rows upstream that rounded values to a
+    low-precision dtype (``rounds_down``), found from the op's inputs ``start`` through every other node
+    (float32 ops, ops that round nothing, nodes without a row) up to ``WALK`` steps; in program order.
+
+    ``None`` when a row reached has flips itself: the error comes from a discrete op upstream, whose own
+    row names the fix. ``inputs(node)``: the nodes it reads; ``row(node)``: its compared row, or ``None``.
+    """
+    found: dict[int, OpRecord] = {}
+    seen: set[Hashable] = set()
+    frontier = list(start)
+    for _ in range(WALK):
+        upstream: list[Hashable] = []
+        for node in frontier:
+            if node in seen:
+                continue
+            seen.add(node)
+            made = row(node)
+            if made is not None and made.flips:
+                return None
+            if made is not None and rounds_down(made):
+                found[made.index] = made
+            else:
+                upstream += inputs(node)
+        frontier = upstream
+    return [found[i] for i in sorted(found)]
+
+
+def fix_code(culprits: Sequence[OpRecord], rules: RuleSet, framework: str = "jax") -> str:
+    """Code to paste that runs ``culprits`` in float32: an override of their scopes, or a rule-table move
+    (``framework="torch"`` moves ``aten::`` ops)."""
+    if all(c.scope for c in culprits):
+        scopes = ", ".join(f'"{s}": "float32"' for s in dict.fromkeys(c.scope for c in culprits))
+        return f"overrides={{{scopes}}}"
+    base = "fmp.DEFAULT_RULES" if rules is DEFAULT_RULES else "rules"
+    ops = ", ".join(f'"{op}"' for op in dict.fromkeys(c.op for c in culprits))
+    where = 'framework="torch", ' if framework == "torch" else ""
+    return f"rules={base}.derive({where}float32=[{ops}])"
+
+
+def suggestion(
+    row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] | None = (), framework: str = "jax"
+) -> str | None:
+    """The fix of ``row`` (``fix_code``), or ``None``.
+
+    A discrete op whose outputs changed, or an op that magnifies its inputs' small error (``amplified``), is
+    fixed where its inputs lost their precision: ``producers``, the rows ``charged`` with it (empty when the
+    op rounded its inputs down itself; ``None`` when flips upstream made them), are named when they ran in
+    low precision; with none, the flips are inherited. Any other op is fixed where its own error is large.
+    """
+    if producers is None:  # flips upstream: a discrete op's changed outputs are theirs
+        if row.flips:
+            return None
+        producers = ()
+    culprits = [row]
+    low = [p for p in producers if any(n in LOW for n in p.out_after)]
+    if row.flips:
+        rounds_itself = not producers and any(n in LOW for n in row.in_after)
+        if not (low or rounds_itself):
+            return None
+        culprits = low or [row]
+    elif low and amplified(row, producers):
+        culprits = low
+    elif not needs_fix(row):
+        return None
+    return fix_code(culprits, rules, framework)
+
+
+def fill(
+    row: OpRecord,
+    stats: Stats,
+    added_error: Any,
+    rules: RuleSet,
+    upstream: Callable[[], list[OpRecord] | None] | None = None,
+    framework: str = "jax",
+) -> OpRecord:
+    """``row`` with its statistics (``stats``: of its outputs against the reference; ``added_error``: its own)
+    and its fix. ``upstream()`` gives the rows ``charged`` with an inherited error (asked only where the row
+    may have inherited it); ``None`` when the op rounded its inputs down itself."""
+    row = with_stats(row, stats, added_error)
+    producers = upstream() if upstream is not None and may_inherit(row) else ()
+    fix = suggestion(row, rules, producers, framework)
+    return dataclasses.replace(row, suggestion=fix) if fix else row
+
+
+def backward_suggestion(row: OpRecord, forward: Sequence[OpRecord], rules: RuleSet) -> str | None:
+    """The fix of a backward row whose own error is large or non-finite: the forward rows of the op it
+    differentiates (the same source line and scope) that ran in low precision, since a backward op runs in
+    the dtypes its forward op's rule gave it; ``None`` where the line is unknown."""
+    if not (row.nonfinite or needs_fix(row)) or not row.source_full:
+        return None
+    culprits = [
+        f
+        for f in forward
+        if f.source_full == row.source_full
+        and f.scope == row.scope
+        and f.category not in ("cast", "user_cast")
+        and any(n in LOW for n in f.out_after)
+    ]
+    return fix_code(culprits, rules) if culprits else None
