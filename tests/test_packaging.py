@@ -205,6 +205,13 @@ def _private_names_across_files() -> list[str]:
     return bad
 
 
+def test_each_folder_is_one_subsystem_of_at_most_twelve_modules():
+    # a reader sees the architecture in `ls`: a folder per subsystem, not prefixes in a flat folder
+    for folder in [ROOT / "fmp", *(p for p in (ROOT / "fmp").rglob("*") if p.is_dir() and p.name != "__pycache__")]:
+        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 12, (folder, sorted(modules))
+
+
 def test_no_private_name_crosses_a_file_boundary():
     assert _private_names_across_files() == []
 
