@@ -8,7 +8,7 @@ tokens) with AdamW, several ways:
 * ``stochastic rounding``: bfloat16 params, float32 moments, ``fmp.optax.stochastic_round``;
 * ``kahan``: bfloat16 params, float32 moments, ``fmp.optax.kahan``;
 * ``kahan, bf16 moments``: the same with both Adam moments stored in bfloat16 (``fmp.optax.state_dtypes``);
-* ``stochastic rounding, bf16 moments``: the moments in bfloat16, rounded stochastically;
+* ``stochastic, bf16 moments``: the moments in bfloat16, rounded stochastically;
 * ``bfloat16``: bfloat16 params and moments updated with round-to-nearest (plain ``optax.adamw``).
 
 Prints the final losses against float32 and the bytes each variant keeps per parameter; ``--torch`` also
@@ -47,9 +47,11 @@ def optimizers(schedule: optax.Schedule) -> dict[str, optax.GradientTransformati
         "stochastic rounding": optax.chain(moments32, fmp.optax.stochastic_round(seed=0)),
         "kahan": optax.chain(moments32, fmp.optax.kahan()),
         "kahan, bf16 moments": optax.chain(moments16, fmp.optax.kahan()),
-        "stochastic rounding, bf16 moments": optax.chain(moments16, fmp.optax.stochastic_round(seed=0)),
+        "stochastic, bf16 moments": optax.chain(moments16, fmp.optax.stochastic_round(seed=0)),
         "bfloat16": adamw,  # round-to-nearest: the moments are bfloat16 too
     }
+
+
 # --8<-- [end:variants]
 
 
@@ -91,7 +93,13 @@ def init_params(key: jax.Array) -> dict[str, Any]:
                 "down": normal((4 * DIM, DIM), (4 * DIM) ** -0.5),
             }
         )
-    return {"embed": normal((VOCAB, DIM), 1.0), "head": normal((DIM, VOCAB), DIM**-0.5), "pos": normal((SEQ, DIM), 0.1), "layers": layers, "ln": jnp.ones(DIM)}
+    return {
+        "embed": normal((VOCAB, DIM), 1.0),
+        "head": normal((DIM, VOCAB), DIM**-0.5),
+        "pos": normal((SEQ, DIM), 0.1),
+        "layers": layers,
+        "ln": jnp.ones(DIM),
+    }
 
 
 def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -158,10 +166,14 @@ def train(name: str, tx: optax.GradientTransformation, batches: np.ndarray, seed
     return {"losses": losses, "final": float(losses[-20:].mean()), "bytes": bytes_per_param(params, state)}
 
 
+def lr_schedule(steps: int, lr: float) -> optax.Schedule:
+    """A tenth of the steps warming up, then a cosine decay to ``lr / 30``."""
+    return optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, end_value=lr / 30)
+
+
 def run_all(steps: int = 300, lr: float = 3e-3, seed: int = 0) -> dict[str, dict[str, Any]]:
     batches = sample_batches(steps, seed)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, end_value=lr / 30)
-    return {name: train(name, tx, batches, seed) for name, tx in optimizers(schedule).items()}
+    return {name: train(name, tx, batches, seed) for name, tx in optimizers(lr_schedule(steps, lr)).items()}
 
 
 def run_torch(steps: int = 300, lr: float = 3e-3, seed: int = 0) -> dict[str, float]:
@@ -170,6 +182,7 @@ def run_torch(steps: int = 300, lr: float = 3e-3, seed: int = 0) -> dict[str, fl
     from torchao.optim import _AdamW
 
     batches = torch.from_numpy(sample_batches(steps, seed)).long()
+    factors = np.asarray(lr_schedule(steps, lr)(np.arange(steps + 1))) / lr  # the JAX runs' schedule
     ref = jax.tree.map(lambda x: torch.from_numpy(np.asarray(x).copy()), init_params(jax.random.PRNGKey(seed)))
 
     def forward_t(p, tokens):
@@ -193,13 +206,11 @@ def run_torch(steps: int = 300, lr: float = 3e-3, seed: int = 0) -> dict[str, fl
         ("torchao stochastic rounding", torch.bfloat16, _AdamW),
     ):
         torch.manual_seed(seed)
-        p = jax.tree.map(lambda x: x.to(dtype).requires_grad_(), ref)  # noqa: B023
+        p = jax.tree.map(lambda x: x.detach().clone().to(dtype).requires_grad_(), ref)  # noqa: B023
         leaves = jax.tree.leaves(p)
         kwargs = {"bf16_stochastic_round": True} if opt_cls is _AdamW else {}
         opt = opt_cls(leaves, lr=lr, weight_decay=0.01, **kwargs)
-        warm = steps // 10
-        sched = lambda i: (i / warm if i < warm else 1 / 30 + (1 - 1 / 30) * 0.5 * (1 + math.cos(math.pi * (i - warm) / (steps - warm))))  # noqa: E731
-        lrs = torch.optim.lr_scheduler.LambdaLR(opt, sched)
+        lrs = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: factors[min(i, steps)])  # noqa: B023
         losses = []
         for batch in batches:
             logits = forward_t(p, batch[:, :-1])
@@ -232,18 +243,26 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, diff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ref = results["float32"]["losses"]
     for name, r in results.items():
-        smooth = np.convolve(r["losses"], np.ones(10) / 10, mode="valid")
         style = "--" if name == "bfloat16" else "-"
-        ax.plot(np.arange(len(smooth)) + 10, smooth, style, label=f"{name} ({r['final']:.3f})", lw=1.4)
+        smooth = np.convolve(r["losses"], np.ones(10) / 10, mode="valid")
+        ax.plot(np.arange(len(smooth)) + 10, smooth, style, label=f"{name} ({r['final']:.4f})", lw=1.3)
+        gap = np.convolve(r["losses"] - ref, np.ones(25) / 25, mode="valid")
+        diff.plot(np.arange(len(gap)) + 25, gap, style, label=name, lw=1.3)
+    low = min(r["final"] for r in results.values())
+    ax.set_ylim(low - 0.1, low + 1.0)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (10-step mean)")
-    ax.set_title("Small transformer LM: bfloat16 params with and without repair")
-    low = min(r["final"] for r in results.values())
-    ax.set_ylim(low - 0.1, low + 1.2)
+    ax.set_title("bfloat16 params: final loss in brackets")
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    diff.axhline(0.0, color="black", lw=0.6)
+    diff.set_xlabel("step")
+    diff.set_ylabel("loss minus the float32 run's (25-step mean)")
+    diff.set_title("distance from float32")
+    for a in (ax, diff):
+        a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
