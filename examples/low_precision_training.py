@@ -182,7 +182,8 @@ def run_torch(steps: int = 300, lr: float = 3e-3, seed: int = 0) -> dict[str, fl
     from torchao.optim import _AdamW
 
     batches = torch.from_numpy(sample_batches(steps, seed)).long()
-    factors = np.asarray(lr_schedule(steps, lr)(np.arange(steps + 1))) / lr  # the JAX runs' schedule
+    with jax.numpy_dtype_promotion("standard"):  # optax's schedules mix float and int32
+        factors = np.asarray(lr_schedule(steps, lr)(np.arange(steps + 1))) / lr  # the JAX runs' schedule
     ref = jax.tree.map(lambda x: torch.from_numpy(np.asarray(x).copy()), init_params(jax.random.PRNGKey(seed)))
 
     def forward_t(p, tokens):

@@ -445,6 +445,9 @@ BUILDERS = {
     "loss_scaled": lambda: fmp.optax.loss_scaled(optax.sgd(0.1), fmp.GradScaler(init_scale=4.0)),
     "skip_nonfinite": lambda: fmp.optax.skip_nonfinite(optax.sgd(0.1)),
     "master_weights": lambda: fmp.optax.master_weights(optax.sgd(0.1)),
+    "stochastic_round": lambda: fmp.optax.stochastic_round(),
+    "kahan": lambda: fmp.optax.kahan(),
+    "state_dtypes": lambda: fmp.optax.state_dtypes(optax.sgd(0.1, momentum=0.9), trace="bfloat16"),
 }
 
 
@@ -490,7 +493,7 @@ test_optax_bad_updates, test_optax_bad_updates_slow = property_test(
 )(_optax_update_checks)
 
 
-@pytest.mark.parametrize("which", ["loss_scaled", "skip_nonfinite", "master_weights"])
+@pytest.mark.parametrize("which", ["loss_scaled", "skip_nonfinite", "master_weights", "state_dtypes"])
 @pytest.mark.parametrize("inner", [None, lambda g: g, "sgd", optax.sgd])
 def test_optax_wrappers_reject_an_inner_that_is_not_a_transformation(which, inner):
     factory = getattr(fmp.optax, which)

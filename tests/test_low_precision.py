@@ -147,11 +147,12 @@ def test_outside_loss_scaled_a_skipped_step_keeps_params_and_advances_the_key():
     assert bits(new[1].key) != bits(state[1].key)
 
 
-def test_kahan_accumulates_updates_below_half_an_ulp():
-    params = {"w": jnp.ones(4, jnp.bfloat16), "b": jnp.ones(1)}
+@pytest.mark.parametrize("dtype", LOW)
+def test_kahan_accumulates_updates_below_half_an_ulp(dtype):
+    params = {"w": jnp.ones(4, dtype), "b": jnp.ones(1)}
     opt = optax.chain(optax.sgd(1.0), fmp.optax.kahan())
     state = opt.init(params)
-    assert state[1].compensation["b"] is None and state[1].compensation["w"].dtype == jnp.bfloat16
+    assert state[1].compensation["b"] is None and state[1].compensation["w"].dtype == dtype
     grads = {"w": jnp.full(4, -1e-4, jnp.float32), "b": jnp.zeros(1)}
 
     def body(carry, _):
@@ -161,8 +162,9 @@ def test_kahan_accumulates_updates_below_half_an_ulp():
 
     (p, s), _ = jax.jit(lambda c: jax.lax.scan(body, c, None, length=500))((params, state))
     w = np.asarray(p["w"], np.float32)
-    assert np.all(np.abs(w - 1.05) <= 2.0**-7), w  # within one bfloat16 ulp (round-to-nearest stays at 1.0)
-    assert s[1].compensation["w"].dtype == jnp.bfloat16
+    ulp = float(jnp.finfo(dtype).eps)  # the spacing at 1.0; round-to-nearest would stay at 1.0
+    assert np.all(np.abs(w - 1.05) <= ulp), w
+    assert s[1].compensation["w"].dtype == dtype
 
 
 def test_checks_and_messages():
