@@ -57,6 +57,8 @@ def test_example_reproduces_the_guide_table(tmp_path):
 
 
 @pytest.mark.gallery  # 3 torch runs of 300 steps; torchao compiles its step for each parameter shape
+# inductor, compiling torchao's step on CPU, touches torch.jit.script_method: torch's own noise, not ours
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torch_and_torchao_on_the_same_problem():
     pytest.importorskip("torch")
     pytest.importorskip("torchao")

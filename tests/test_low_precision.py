@@ -230,3 +230,21 @@ def test_minibatch_adam_with_bfloat16_params_needs_a_repair():
     ref = run("float32")
     ratios = {k: run(k) / ref for k in ("bfloat16", "stochastic", "kahan")}
     assert ratios["bfloat16"] > 2.0 and ratios["stochastic"] < 1.2 and ratios["kahan"] < 1.2, ratios
+
+
+def test_composes_with_float8_step():
+    def f(w, x):
+        return x @ w
+
+    w, x = jnp.ones((4, 2), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
+    policy = "p=bf16,c=bf16,o=f32,fp8=delayed"
+    fp8 = fmp.float8_state(f, policy)(w, x)
+
+    def loss(w, fp8):
+        return fmp.autocast(f, policy, fp8_state=fp8)(w, x).astype(jnp.float32).sum()
+
+    opt = optax.chain(optax.sgd(1e-3), fmp.optax.stochastic_round())
+    state = opt.init(w)
+    for _ in range(3):  # 3 steps of -3e-3, under half of bfloat16's spacing at 1.0
+        w, state, fp8 = fmp.optax.float8_step(opt, jax.grad(loss, (0, 1))(w, fp8), state, w, fp8)
+    assert w.dtype == jnp.bfloat16 and float(jnp.mean(w.astype(jnp.float32))) < 0.997  # expected 0.991
