@@ -33,7 +33,7 @@ def test_guide_shows_the_example_code():
     assert len(names) == 7 and {n if n != "bfloat16" else "bfloat16 (round-to-nearest)" for n in names} == set(rows)
 
 
-@pytest.mark.gallery  # 7 runs of 300 steps
+@pytest.mark.gallery  # 7 runs of 300 steps: about 57 s of CPU
 def test_example_reproduces_the_guide_table(tmp_path):
     pytest.importorskip("optax")
     module = runpy.run_path(str(EXAMPLE))
@@ -56,7 +56,9 @@ def test_example_reproduces_the_guide_table(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
-@pytest.mark.gallery  # 3 torch runs of 300 steps; torchao compiles its step for each parameter shape
+# about 2 minutes of CPU (torchao compiles its step for each parameter shape): over the gallery's budget, so it
+# runs with -m slow
+@pytest.mark.slow
 # inductor, compiling torchao's step on CPU, touches torch.jit.script_method: torch's own noise, not ours
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torch_and_torchao_on_the_same_problem():
