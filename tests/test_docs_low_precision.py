@@ -56,9 +56,8 @@ def test_example_reproduces_the_guide_table(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
-# about 2 minutes of CPU (torchao compiles its step for each parameter shape): over the gallery's budget, so it
-# runs with -m slow
-@pytest.mark.slow
+# about 2 minutes of CPU (torchao compiles its step for each parameter shape): a gallery, which CI runs
+@pytest.mark.gallery
 # inductor, compiling torchao's step on CPU, touches torch.jit.script_method: torch's own noise, not ours
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torch_and_torchao_on_the_same_problem():

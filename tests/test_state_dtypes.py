@@ -92,7 +92,7 @@ def test_low_precision_states_round_trip_through_flax_serialization():
     assert bits(restored) == bits(state) and _dtypes(restored) == _dtypes(state)
 
 
-@pytest.mark.slow  # importing orbax and its first save take ~15 s here
+@pytest.mark.gallery  # importing orbax and its first save take ~15 s here; CI runs the galleries
 @optax_not_strict
 def test_low_precision_states_round_trip_through_orbax(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
