@@ -11,6 +11,7 @@ from helpers import run_with_devices
 from jax.sharding import PartitionSpec as P
 
 import fmp
+from fmp._autocast._engine import _jax_internals
 
 W = jnp.eye(4) * 0.5 + 0.01
 X = jnp.linspace(-0.5, 1.0, 16).reshape(4, 4)
@@ -336,7 +337,7 @@ def test_custom_jvp_rule_is_autocast():
 def _body_carry_dtypes(cj, prim):
     (eqn,) = [e for e in cj.eqns if e.primitive.name == prim]
     if prim == "scan":
-        body, nc, nk = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+        body, (nc, nk) = eqn.params["jaxpr"], _jax_internals.scan_counts(eqn.params)
         return [a.dtype.name for a in body.in_avals[nc : nc + nk]], [a.dtype.name for a in body.out_avals[:nk]]
     body, nb = eqn.params["body_jaxpr"], eqn.params["body_nconsts"]
     return [a.dtype.name for a in body.in_avals[nb:]], [a.dtype.name for a in body.out_avals]

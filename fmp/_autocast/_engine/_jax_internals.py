@@ -3,8 +3,9 @@
 The autocast transform re-traces jaxprs with exact abstract values (shardings,
 weak types and varying manual axes included), which no public API offers, and
 re-binds ``shard_map``, whose primitive is not exported by ``jax.extend``.
-Supported JAX range: see ``pyproject.toml`` (``jax>=0.10.2,<0.11``); importing fmp with a newer JAX warns. When JAX
-moves one of these names, this is the only file to change.
+Tested JAX range: 0.10.2 through 0.12.x (``TESTED_JAX``; ``pyproject.toml`` allows ``jax>=0.10.2,<0.13``); importing
+fmp with another JAX warns once. When JAX moves one of these names or changes a primitive's params, this is the
+only file to change: each function below names the JAX versions it covers.
 """
 
 from __future__ import annotations
@@ -28,30 +29,37 @@ from jax._src.sharding_impls import UNSPECIFIED
 from jax.extend.core import ClosedJaxpr
 from jax.extend.core.primitives import closed_call_p, jit_p
 
-_TESTED_BELOW = (0, 11)
-if tuple(int(p) for p in jax.__version__.split(".")[:2]) >= _TESTED_BELOW:  # pragma: no cover - CI runs 0.10
-    import warnings
+from fmp._autocast._engine._jax_version import warn_if_untested
 
-    warnings.warn(
-        f"fmp is tested with jax 0.10.x and this is jax {jax.__version__}: under fmp.autocast, scan, fori_loop, "
-        "shard_map and custom_vjp bodies are known to fail on jax 0.11 (with an error). Install jax<0.11 for a "
-        "tested combination.",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+warn_if_untested(jax.__version__)
 
-try:  # FlatTree: the container shard_map's body function returns since JAX 0.10
-    from jax._src.tree_util import FlatTree
-except ImportError:  # pragma: no cover - depends on the JAX version
-    FlatTree = None  # type: ignore[assignment,misc]
+# The container shard_map's body function returns: jax 0.10 ``tree_util.FlatTree.flatten``; jax 0.11 and 0.12
+# ``flattree.flatten`` (scan's ``ft_in``/``ft_out`` params are of the same module there).
+try:  # jax 0.11, 0.12
+    from jax._src import flattree as _ft
+
+    _flatten_tree: Callable[[Any], Any] | None = _ft.flatten
+except ImportError:  # jax 0.10
+    _ft = None
+    try:
+        from jax._src.tree_util import FlatTree as _FlatTree
+
+        _flatten_tree = _FlatTree.flatten
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        _flatten_tree = None
 
 __all__ = [
+    "as_closed",
     "bind_shard_map",
+    "body_param",
     "closed_call_p",
+    "is_call_primitive",
     "jit_p",
     "primitives_by_name",
     "rewrap_bwd",
     "rewrap_rule_thunk",
+    "scan_counts",
+    "scan_params_with_xs",
     "shard_map_p",
     "trace_to_closed_jaxpr",
 ]
@@ -107,16 +115,19 @@ def bind_shard_map(args: Sequence[Any], params: dict[str, Any], body: Callable[.
     """Binds ``shard_map_p`` with ``params`` but ``body`` (flat args -> flat outs) as its body.
 
     shard_map traces ``body`` itself, inside its own mesh and axis context, so
-    collectives in the body see their axis names.
+    collectives in the body see their axis names. jax 0.10 to 0.12: the params (``mesh``, ``in_specs``,
+    ``out_specs``, ``check_vma``, ``manual_axes``/``newly_manual_axes``) pass through as the equation has them;
+    only the body changes, in the form ``shard_map_p.get_bind_params`` gives it.
     """
-    if FlatTree is None:  # pragma: no cover - depends on the JAX version
+    if _flatten_tree is None:  # pragma: no cover - depends on the JAX version
         raise NotImplementedError("fmp.autocast: this JAX version's shard_map is not supported")
+    flatten = _flatten_tree
     new_params = dict(params)
     jaxpr = new_params.pop("jaxpr")
     out_specs = new_params.pop("out_specs")
 
     def fun(*xs: Any) -> Any:
-        return FlatTree.flatten(list(body(*xs))).with_aux(out_specs)
+        return flatten(list(body(*xs))).with_aux(out_specs)
 
     new_params["subfuns"] = (fun,)
     new_params["debug_info"] = jaxpr.debug_info
@@ -131,6 +142,78 @@ def jit_params_with_input(params: dict[str, Any]) -> dict[str, Any]:
         in_layouts=(*params["in_layouts"], None),
         donated_invars=(*params["donated_invars"], False),
     )
+
+
+def as_closed(jaxpr: Any) -> ClosedJaxpr:
+    """A body param (``remat``'s ``jaxpr``, ``call``'s ``call_jaxpr``) as a closed jaxpr.
+
+    jax 0.10: an open ``Jaxpr``, closed here without constants. jax 0.11, 0.12: ``ClosedJaxpr`` is ``Jaxpr``
+    (constants attached to the jaxpr), so the param is returned as it is, its constants kept.
+    """
+    return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
+
+
+def body_param(params: dict[str, Any]) -> str:
+    """The name of the one param that holds a call-like primitive's body (a jaxpr).
+
+    ``composite``: ``jaxpr`` on jax 0.10, ``call_jaxpr`` on jax 0.11 and 0.12; ``closed_call``/``call``:
+    ``call_jaxpr``; jax 0.10's ``eval_jaxpr``: ``jaxpr``. Read from the params, so a rename is followed.
+    """
+    names = [k for k, v in params.items() if isinstance(v, ClosedJaxpr | core.Jaxpr)]
+    if len(names) != 1:
+        raise NotImplementedError(f"fmp.autocast: expected one body among the params, found {names or 'none'}")
+    return names[0]
+
+
+def _eval_jaxpr_primitive() -> Primitive | None:
+    try:  # jax 0.10: its own primitive there; jax 0.11, 0.12: the same object as core's call primitive
+        return importlib.import_module("jax._src.lax.eval_jaxpr").eval_jaxpr_p
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+        return None
+
+
+def is_call_primitive(prim: Primitive) -> bool:
+    """Whether ``prim`` is a plain call of the jaxpr in its one body param: the equation's inputs are the body's
+    inputs, its outputs the body's outputs, and no rule of its own depends on their dtypes.
+
+    jax 0.10: ``core.CallPrimitive`` instances (``call``, whose body is open, and ``closed_call``), and the
+    internal ``eval_jaxpr``. jax 0.11, 0.12: ``closed_call_p`` and ``call_p`` are ``eval_jaxpr``, and every
+    primitive registered with its rules (``register_call_primitive_rules``: 0.11's ``program_order``, and those
+    made with ``jax.extend.core.create_call_primitive``) shares its implementation.
+    """
+    call_cls = getattr(core, "CallPrimitive", None)
+    if call_cls is not None and isinstance(prim, call_cls):
+        return True
+    ev = _eval_jaxpr_primitive()
+    return ev is not None and (prim is ev or getattr(prim, "impl", None) is ev.impl)
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(consts, carries)``: how many of a ``scan`` equation's inputs are loop-invariant and how many carried;
+    the rest are the scanned ``xs``. The body's inputs and outputs are in the same order (outputs: carries, ys).
+
+    jax 0.10: the params ``num_consts`` and ``num_carry``. jax 0.11, 0.12: ``ft_in``, a flat tree packing
+    ``(consts, carry, xs)`` (``ft_out`` packs ``(carry, ys)``).
+    """
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].unpack()
+        return len(consts), len(carry)
+    return params["num_consts"], params["num_carry"]
+
+
+def scan_params_with_xs(params: dict[str, Any]) -> dict[str, Any]:
+    """A ``scan`` equation's params for one more (last) scanned input, its body given one more last input.
+
+    jax 0.10: nothing to add (``linear``, in releases that had it, gets one more ``False``). jax 0.11, 0.12:
+    ``ft_in``'s ``xs`` part gets one more leaf.
+    """
+    out = dict(params)
+    if "linear" in params:
+        out["linear"] = (*params["linear"], False)
+    if "ft_in" in params:
+        consts, carry, xs = params["ft_in"].unpack()
+        out["ft_in"] = _ft.pack((consts, carry, _ft.pack((xs, _ft.nones(1)))))
+    return out
 
 
 def rewrap_rule_thunk(thunk: Any, rewrite: Callable[[ClosedJaxpr], ClosedJaxpr]) -> Any:
@@ -166,19 +249,52 @@ def primitives_by_name() -> dict[str, Primitive]:
     return out
 
 
+# Whether a custom_vjp's flat bwd returns ``(cotangents, logs)``: jax 0.11 and 0.12 (``defvjp_with_logs``); jax 0.10
+# returns the flat cotangents alone.
+_BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
 def rewrap_bwd(bwd: Any, run: Callable[[Callable[..., Any], Sequence[Any]], list[Any]]) -> Any:
-    """Wraps a custom_vjp ``bwd`` (a ``WrappedFun``: flat residuals and cotangents -> flat cotangents, which
-    may hold symbolic zeros) so that ``run(call, args)`` evaluates it; ``call(*args)`` calls the original."""
+    """Wraps a custom_vjp ``bwd`` (a ``WrappedFun`` of flat residuals and cotangents) so that ``run(call, args)``
+    evaluates it; ``call(*args)`` calls the original and returns a flat list (cotangents, which may hold symbolic
+    zeros, then the leaves of the backward-pass logs where the JAX version has them).
 
-    def wrapped(*args: Any) -> Any:
-        return run(bwd.call_wrapped, args)
+    jax 0.10: the bwd returns the flat cotangents. jax 0.11, 0.12: it returns ``(cotangents, logs)``, ``logs``
+    None or a dict of arrays (``custom_vjp.defvjp_with_logs``); the wrapper returns the same pair.
+    """
+    if not _BWD_RETURNS_LOGS:  # jax 0.10
 
-    return lu.wrap_init(wrapped, debug_info=bwd.debug_info)
+        def wrapped(*args: Any) -> Any:
+            return run(bwd.call_wrapped, args)
+
+        return lu.wrap_init(wrapped, debug_info=bwd.debug_info)
+
+    def wrapped_with_logs(*args: Any) -> Any:
+        shape: list[Any] = []  # [number of cotangents, tree of the logs], set by each call
+
+        def call(*xs: Any) -> list[Any]:
+            cts, logs = bwd.call_wrapped(*xs)
+            leaves, tree = jax.tree.flatten(logs)
+            shape[:] = [len(cts), tree]
+            return [*cts, *leaves]
+
+        outs = run(call, args)
+        n, tree = shape
+        return list(outs[:n]), jax.tree.unflatten(tree, outs[n:])
+
+    return lu.wrap_init(wrapped_with_logs, debug_info=bwd.debug_info)
 
 
 def user_function(wrapped: Any) -> Any:
-    """The user's function inside a ``WrappedFun`` (the custom_vjp bwd rule as written)."""
-    return getattr(wrapped, "f", None)
+    """The user's function inside a ``WrappedFun`` (the custom_vjp bwd rule as written).
+
+    jax 0.10 to 0.12: ``wrapped.f``; jax 0.12's ``custom_vjp.defvjp_with_accums`` holds it one level deeper, in
+    the flat rule's ``bwd`` (a ``functools.partial`` when the custom_vjp has ``nondiff_argnums``).
+    """
+    f = getattr(wrapped, "f", None)
+    if hasattr(f, "call_with_accums"):  # jax 0.12: a rule written with accumulators
+        f = getattr(f, "bwd", f)
+    return getattr(f, "func", f) if isinstance(f, functools.partial) else f
 
 
 # --- keeping jnp's inline helpers as calls while autocast traces a function --------------------------------------

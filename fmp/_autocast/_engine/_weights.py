@@ -20,6 +20,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._provenance import Frame, weight_of
 
 Labels = tuple[str | None, ...]
@@ -52,7 +53,7 @@ def body_weights(eqn: JaxprEqn, frame: Frame) -> dict[int, Labels]:
     p, out = eqn.params, {}
     name = eqn.primitive.name
     if name == "scan":
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = _jax_internals.scan_counts(p)
         out[id(p["jaxpr"].jaxpr)] = ops[:nc] + (None,) * nk + ops[nc + nk :]
     elif name == "cond":
         for b in p["branches"]:

@@ -191,12 +191,13 @@ def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
 
 
 def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    return _evaluated(ClosedJaxpr(eqn.params["jaxpr"], ()), invals, ctx, scope)
+    return _evaluated(_jax_internals.as_closed(eqn.params["jaxpr"]), invals, ctx, scope)
 
 
-def _closed_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    call = eqn.params["call_jaxpr"]
-    return _evaluated(call if isinstance(call, ClosedJaxpr) else ClosedJaxpr(call, ()), invals, ctx, scope)
+def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    # a plain call (closed_call, call, eval_jaxpr, ...: _jax_internals.is_call_primitive)
+    body = eqn.params[_jax_internals.body_param(eqn.params)]
+    return _evaluated(_jax_internals.as_closed(body), invals, ctx, scope)
 
 
 def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
@@ -217,15 +218,13 @@ def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
     evaluated: dict[Any, Callable[..., list[Any]]] = {
         core_prims.jit_p: _jit,
         core_prims.remat_p: _remat,
-        core_prims.closed_call_p: _closed_call,
         core_prims.custom_jvp_call_p: _custom,
         core_prims.custom_vjp_call_p: _custom,
         core_prims.scan_p: _loops.scan,
         core_prims.while_p: _loops.while_loop,
         core_prims.cond_p: _loops.cond,
     }
-    if "call" in prims:
-        evaluated[prims["call"]] = _closed_call
+    evaluated.update({p: _call for p in handlers if _jax_internals.is_call_primitive(p)})
     kept = {prims[n] for n in (*_calls.REFUSED, *_calls.AS_WRITTEN) if n in prims}
     out: dict[Any, Handler] = {}
     for prim, handler in handlers.items():

@@ -26,6 +26,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import closed_call_p, custom_jvp_call_p, custom_vjp_call_p, jit_p, remat_p
 
+from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import is_rounding
 from fmp._autocast._engine._context import REGION_SCOPE, aval_of, float_names
 from fmp._autocast._engine._interp import bind
@@ -94,7 +95,7 @@ class _Runs:
                 outs, s_outs = bind(eqn, ins, eqn.params), list(s_ins)
             elif eqn.primitive in _CALLS:
                 body = eqn.params[_CALLS[eqn.primitive]]
-                closed = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
+                closed = _jax_internals.as_closed(body)
                 outs, s_outs = self.eval(closed.jaxpr, closed.consts, ins, s_ins, stack, source(eqn) or where)
             else:
                 outs, s_outs = bind(eqn, ins, eqn.params), self.lifted(eqn, s_ins)
@@ -158,7 +159,7 @@ class _Runs:
                 outs = list(ins)
             elif eqn.primitive in _CALLS:
                 body = eqn.params[_CALLS[eqn.primitive]]
-                closed = body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
+                closed = _jax_internals.as_closed(body)
                 outs = self.lifted_eval(closed.jaxpr, closed.consts, ins)
             else:
                 outs = self.lifted(eqn, ins)

@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, JaxprEqn, jaxpr_as_fun
 
+from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, is_constant, like_avals
 from fmp._autocast._engine._interp import eval_jaxpr, transform_closed
@@ -31,7 +32,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     cmp = ctx.compare
     p = eqn.params
     closed: ClosedJaxpr = p["jaxpr"]
-    nc, nk, n = p["num_consts"], p["num_carry"], p["length"]
+    (nc, nk), n = _jax_internals.scan_counts(p), p["length"]
     consts, carry, xs = as_body_inputs(invals[:nc]), invals[nc : nc + nk], as_body_inputs(invals[nc + nk :])
     if not n:
         raise NotImplementedError("fmp.explain(compare=True): a scan of length 0 has nothing to compare")

@@ -50,11 +50,17 @@ def _linear_solve(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) ->
     return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, jaxprs=new))
 
 
-def _closed_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    """``closed_call`` (``core.closed_call_p``): the body is rewritten for the current input dtypes."""
-    closed: ClosedJaxpr = eqn.params["call_jaxpr"]
-    new, invals = _call_body(closed, invals, ctx, scope)
-    return bind(eqn, invals, dict(eqn.params, call_jaxpr=new))
+def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """A plain call (``_jax_internals.is_call_primitive``: ``closed_call``, ``call``, ``eval_jaxpr``, ...): its
+    body is rewritten for the current input dtypes and bound as the same call again."""
+    name = _jax_internals.body_param(eqn.params)
+    body = eqn.params[name]
+    new, invals = _call_body(_jax_internals.as_closed(body), invals, ctx, scope)
+    if isinstance(body, ClosedJaxpr):
+        return bind(eqn, invals, dict(eqn.params, **{name: new}))
+    if new.consts:  # an open body (jax 0.10's call) whose rewrite created constants: a closed call instead
+        return bind_closed_call(new, invals)
+    return bind(eqn, invals, dict(eqn.params, **{name: new.jaxpr}))
 
 
 def _call_body(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> tuple[ClosedJaxpr, list[Any]]:
@@ -63,15 +69,6 @@ def _call_body(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str)
     ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
     new = transform_closed(closed, avals, ctx, scope, rows=rows)
     return new, invals if block is None else [*invals, block]
-
-
-def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    """``call`` (``core.call_p``, an open jaxpr): rewritten like ``closed_call``."""
-    closed = ClosedJaxpr(eqn.params["call_jaxpr"], ())
-    new, invals = _call_body(closed, invals, ctx, scope)
-    if new.consts:  # a rewrite that created constants: hand them in as a closed call instead
-        return bind_closed_call(new, invals)
-    return bind(eqn, invals, dict(eqn.params, call_jaxpr=new.jaxpr))
 
 
 def bind_closed_call(closed: ClosedJaxpr, invals: list[Any]) -> list[Any]:
@@ -85,8 +82,9 @@ def _composite(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     A backend that replaces the composite by its own kernel sees the name and
     attributes it was written for, with the inputs it declared.
     """
-    closed: ClosedJaxpr = eqn.params["jaxpr"]
-    return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, jaxpr=_pinned(closed, ctx, scope)))
+    name = _jax_internals.body_param(eqn.params)
+    new = _pinned(_jax_internals.as_closed(eqn.params[name]), ctx, scope)
+    return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, **{name: new}))
 
 
 # Primitives with a sub-jaxpr (or a traced function) that fmp does not rewrite, with the reason given in the
@@ -98,9 +96,8 @@ REFUSED: dict[str, str] = {
     "custom_lin": "an internal of JAX's autodiff, not expected in a user program",
     "remat_opt": "an internal of JAX's checkpoint optimisation, not expected in a user program",
     "custom_transpose_call": "jax.custom_transpose's transpose rule is typed for the original dtypes",
-    "eval_jaxpr": "an internal staging primitive of JAX, not expected in a user program",
-    "call_hi_primitive": "a JAX 'hijax' primitive, typed by its own rules",
-    "call_hi_primitive_linearized": "a JAX 'hijax' primitive, typed by its own rules",
+    "call_hi_primitive_linearized": "an internal of JAX's autodiff of a 'hijax' primitive, not expected in a "
+    "user program",
 }
 
 # Kernels compiled or partitioned for the dtypes they were written in: they run exactly as written, their
@@ -110,6 +107,9 @@ AS_WRITTEN: dict[str, str] = {
     "cudnn_fusion": "a cuDNN fusion",
     "call_exported": "a jax.export'ed function, serialised for fixed input dtypes",
     "custom_partitioning": "jax.experimental.custom_partitioning, whose partitioner is typed for its inputs",
+    # its params hold a primitive object typed for its input types (no jaxpr to rewrite); on jax 0.11 and 0.12
+    # lax.custom_root, jnp.ldexp, jnp.frexp, jnp.nonzero and jnp.searchsorted are such primitives
+    "call_hi_primitive": "a JAX 'hijax' primitive, typed for its inputs by its own rules",
 }
 
 _MSG_REFUSED = (
@@ -132,11 +132,10 @@ def handlers() -> dict[Any, Handler]:
     """The handlers of this module, keyed by primitive (refused ones raise)."""
     prims = _jax_internals.primitives_by_name()
     out: dict[Any, Handler] = {}
-    # ``closed_call`` by its object: JAX releases disagree on its name. A name this JAX lacks has nothing to
-    # handle (a primitive no handler knows is refused by the interpreter, never run unrewritten).
-    if _jax_internals.closed_call_p is not _jax_internals.jit_p:
-        out[_jax_internals.closed_call_p] = _closed_call
-    for name, handler in (("custom_linear_solve", _linear_solve), ("call", _call), ("composite", _composite)):
+    for prim in prims.values():  # by what they are, not by name: JAX releases disagree on the names
+        if _jax_internals.is_call_primitive(prim):
+            out[prim] = _call
+    for name, handler in (("custom_linear_solve", _linear_solve), ("composite", _composite)):
         if name in prims:
             out[prims[name]] = handler
     for name in REFUSED:

@@ -138,7 +138,7 @@ def pin_outputs(closed: ClosedJaxpr, dtypes: list[Any], ctx: Context) -> ClosedJ
 def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     p = eqn.params
     closed: ClosedJaxpr = p["jaxpr"]
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = _jax_internals.scan_counts(p)
     consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
     before, after = like_avals(closed.in_avals[:nc], consts), like_avals(closed.in_avals[nc + nk :], xs)
     carry_avals = list(closed.in_avals[nc : nc + nk])
@@ -151,10 +151,7 @@ def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     carry = pin(carry, carry_avals, ctx)
     if block is None:
         return bind(eqn, consts + carry + xs, dict(p, jaxpr=new))
-    params = dict(p, jaxpr=new)
-    if "linear" in p:  # older JAX versions
-        params["linear"] = (*p["linear"], False)
-    return bind(eqn, consts + carry + xs + [block], params)
+    return bind(eqn, consts + carry + xs + [block], _jax_internals.scan_params_with_xs(dict(p, jaxpr=new)))
 
 
 def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
@@ -200,7 +197,7 @@ def _branch(closed: ClosedJaxpr, avals: list[Any], scope: str, ctx: Context) -> 
 
 def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     p = eqn.params
-    closed = ClosedJaxpr(p["jaxpr"], ())
+    closed = _jax_internals.as_closed(p["jaxpr"])
     avals = like_avals(closed.in_avals, invals)
     ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
     new = transform_closed(closed, avals, ctx, scope, rows=rows)
