@@ -107,3 +107,65 @@ def test_bwd_follows_an_override_policy() -> None:
 
     gw = jax.grad(lambda w: jnp.sum(fmp.autocast(model, overrides={"exact": "float32"})(x, w)))(w)
     np.testing.assert_array_equal(np.asarray(gw), np.asarray(jax.grad(lambda w: jnp.sum(layer(x, w)))(w)))
+
+
+def _with_logs():
+    @jax.custom_vjp
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = jnp.tanh(x @ w)
+        return y, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        gz = g * (1 - y**2)
+        return (gz @ w.T, x.T @ gz), {"gz_sq": jnp.sum(gz**2)}
+
+    layer.defvjp_with_logs(fwd, bwd)
+    return layer
+
+
+@pytest.mark.skipif(not hasattr(jax.custom_vjp, "defvjp_with_logs"), reason="backward-pass logs: jax 0.11 and later")
+def test_bwd_with_logs_runs_under_the_policy_and_returns_its_logs() -> None:
+    """jax 0.11+'s bwd returns (cotangents, logs): the cotangents as under defvjp, the logs come out."""
+    x, w = _inputs()
+    layer = _with_logs()
+    out, f_vjp = jax.vjp(fmp.autocast(layer), x, w)
+    (gx, gw), logs = f_vjp.with_logs(jnp.ones_like(out))
+    hx, hw = _hand_grads(x, w, BF16)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(hx))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(hw))
+    y = jnp.tanh(x.astype(BF16) @ w.astype(BF16)).astype(jnp.float32)
+    assert logs["gz_sq"].dtype == jnp.float32
+    np.testing.assert_allclose(float(logs["gz_sq"]), float(jnp.sum((1 - y**2) ** 2)), rtol=1e-6)
+    gw_plain = jax.grad(lambda w: jnp.sum(fmp.autocast(layer)(x, w)))(w)  # logs dropped, as JAX does
+    np.testing.assert_array_equal(np.asarray(gw_plain), np.asarray(hw))
+
+
+@pytest.mark.skipif(not hasattr(jax.custom_vjp, "defvjp_with_accums"), reason="accumulators: jax 0.12 and later")
+@pytest.mark.parametrize("as_written", [False, True])
+def test_bwd_with_accumulators(as_written: bool) -> None:
+    """jax 0.12's bwd may push into accumulators; it runs under the policy, or as written when so marked."""
+
+    @jax.custom_vjp
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = jnp.tanh(x @ w)
+        return y, (x, w, y)
+
+    def bwd(res, g, x_acc, w_acc):
+        x, w, y = res
+        gz = g * (1 - y**2)
+        x_acc.accum(gz @ w.T)
+        w_acc.accum(x.T @ gz)
+
+    layer.defvjp_with_accums(fwd, fmp.bwd_as_written(bwd) if as_written else bwd)
+    x, w = _inputs()
+    gx, gw = _grads(layer, x, w)
+    hx, hw = _hand_grads(x, w, jnp.float32 if as_written else BF16)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(hx))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(hw))
