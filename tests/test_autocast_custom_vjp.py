@@ -12,7 +12,9 @@ import fmp
 BF16 = jnp.bfloat16
 
 
-def _make(bwd_wrap=lambda b: b):
+def _layer(bwd, define: str = "defvjp"):
+    """``tanh(x @ w)`` with a custom vjp: ``bwd`` registered by ``define`` (defvjp, defvjp_with_logs, ...)."""
+
     @jax.custom_vjp
     def layer(x, w):
         return jnp.tanh(x @ w)
@@ -21,13 +23,21 @@ def _make(bwd_wrap=lambda b: b):
         y = jnp.tanh(x @ w)
         return y, (x, w, y)
 
+    getattr(layer, define)(fwd, bwd)
+    return layer
+
+
+def _gz(res, g):
+    x, w, y = res
+    return x, w, g * (1 - y**2)
+
+
+def _make(bwd_wrap=lambda b: b):
     def bwd(res, g):
-        x, w, y = res
-        gz = g * (1 - y**2)
+        x, w, gz = _gz(res, g)
         return gz @ w.T, x.T @ gz
 
-    layer.defvjp(fwd, bwd_wrap(bwd))
-    return layer
+    return _layer(bwd_wrap(bwd))
 
 
 def _inputs():
@@ -110,21 +120,11 @@ def test_bwd_follows_an_override_policy() -> None:
 
 
 def _with_logs():
-    @jax.custom_vjp
-    def layer(x, w):
-        return jnp.tanh(x @ w)
-
-    def fwd(x, w):
-        y = jnp.tanh(x @ w)
-        return y, (x, w, y)
-
     def bwd(res, g):
-        x, w, y = res
-        gz = g * (1 - y**2)
+        x, w, gz = _gz(res, g)
         return (gz @ w.T, x.T @ gz), {"gz_sq": jnp.sum(gz**2)}
 
-    layer.defvjp_with_logs(fwd, bwd)
-    return layer
+    return _layer(bwd, "defvjp_with_logs")
 
 
 @pytest.mark.skipif(not hasattr(jax.custom_vjp, "defvjp_with_logs"), reason="backward-pass logs: jax 0.11 and later")
@@ -149,21 +149,12 @@ def test_bwd_with_logs_runs_under_the_policy_and_returns_its_logs() -> None:
 def test_bwd_with_accumulators(as_written: bool) -> None:
     """jax 0.12's bwd may push into accumulators; it runs under the policy, or as written when so marked."""
 
-    @jax.custom_vjp
-    def layer(x, w):
-        return jnp.tanh(x @ w)
-
-    def fwd(x, w):
-        y = jnp.tanh(x @ w)
-        return y, (x, w, y)
-
     def bwd(res, g, x_acc, w_acc):
-        x, w, y = res
-        gz = g * (1 - y**2)
+        x, w, gz = _gz(res, g)
         x_acc.accum(gz @ w.T)
         w_acc.accum(x.T @ gz)
 
-    layer.defvjp_with_accums(fwd, fmp.bwd_as_written(bwd) if as_written else bwd)
+    layer = _layer(fmp.bwd_as_written(bwd) if as_written else bwd, "defvjp_with_accums")
     x, w = _inputs()
     gx, gw = _grads(layer, x, w)
     hx, hw = _hand_grads(x, w, jnp.float32 if as_written else BF16)
