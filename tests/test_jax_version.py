@@ -10,7 +10,7 @@ import pytest
 import tomllib
 from helpers import ROOT, run_python
 
-from fmp._autocast._jax_version import TESTED_JAX, untested_message, version_tuple
+from fmp._autocast._engine._jax_version import TESTED_JAX, untested_message, version_tuple
 
 
 @pytest.mark.parametrize("version", ["0.10.2", "0.11.0", "0.11.2", "0.12.0", "0.12.0.1", "0.12.7"])

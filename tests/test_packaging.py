@@ -110,8 +110,11 @@ def test_autocast_engine_forms_no_cycle():
     assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru", "_weights"}, graph[
         "_interp"
     ]
-    assert graph["_weights"] <= {"_provenance"}, graph["_weights"]  # which body inputs are weights (float8 scope)
-    assert graph["_provenance"] <= {"_lru", "_dims"}, graph["_provenance"]
+    assert graph["_weights"] <= {"_provenance", "_jax_internals"}, graph["_weights"]  # weights (float8 scope)
+    assert graph["_provenance"] <= {"_lru", "_dims", "_jax_internals"}, graph["_provenance"]
+    # JAX's internals, each difference between its releases: a leaf but for the tested range it warns about
+    assert graph["_jax_internals"] <= {"_jax_version"}, graph["_jax_internals"]
+    assert graph["_jax_version"] == set(), graph["_jax_version"]
     assert graph["_lru"] == set(), graph["_lru"]
     assert graph["_dims"] == set(), graph["_dims"]  # dimension arithmetic of a dot_general: a leaf module
     _assert_no_cycle(graph)
@@ -272,10 +275,13 @@ def test_pyproject_claims_only_what_is_tested():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = {r.name: r for r in map(Requirement, project["dependencies"])}
-    # the JAX range is the minor version tested here, and it holds the installed one
+    # the JAX range is the releases CI tests (0.10.2, 0.11.2, 0.12.0.1: docs/installation.md), up to the newest
+    # tested minor version, and it holds the installed one
     for name in ("jax", "jaxlib"):
-        assert reqs[name].specifier.contains(jax.__version__), (name, jax.__version__)
-        assert not reqs[name].specifier.contains("0.11.0"), f"{name}: 0.11 is untested"
+        spec = reqs[name].specifier
+        assert spec.contains(jax.__version__), (name, jax.__version__)
+        assert all(spec.contains(v) for v in ("0.10.2", "0.11.2", "0.12.0.1")), (name, spec)
+        assert not any(spec.contains(v) for v in ("0.10.1", "0.13.0")), f"{name}: {spec} claims an untested release"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     versions = [
         c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
@@ -390,3 +396,11 @@ def test_tested_versions_table_matches_ci_and_the_claims():
     assert lowest["jax"] == lowest["jaxlib"] == first["jax"]
     assert first["numpy"].startswith(lowest["numpy"] + ".")
     assert (lowest["flax"], lowest["optax"]) == (first["flax"], first["optax"])
+    # each row is what CI pins for that Python (.ci/constraints.txt for the main run, then one file per venv)
+    for python, cells in table.items():
+        name = "constraints.txt" if python == "3.11" else f"constraints-{python}.txt"
+        pins = dict(re.findall(r"^([\w-]+)==(\S+)$", (ROOT / ".ci" / name).read_text(), re.M))
+        row = dict(zip(("jax", "numpy", "flax", "optax"), cells, strict=False))
+        assert {k: pins.get(k) for k in row} == row, (python, name)
+        assert pins["jaxlib"] == pins["jax"], name
+    assert 'PIP_CONSTRAINT="$PWD/.ci/constraints-$1.txt"' in ci

@@ -92,9 +92,9 @@ def _convert_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
 
 @functools.cache
 def _cast_fn(src: Any, dst: Any) -> Callable[[Any], Any]:
-    """``_convert_fn(src, dst)`` as a jitted helper (``inline=True``, like jnp's): JAX caches its
+    """``_convert_fn(src, dst)`` as a jitted helper (inlined when staged, like jnp's): JAX caches its
     differentiation per input type instead of linearizing the cast at every use."""
-    return jax.jit(_convert_fn(src, dst), inline=True)
+    return jax.jit(_convert_fn(src, dst), inline=_jax_internals.INLINE_WHEN_STAGED)
 
 
 _CAST_CALLS = LRU(1024)  # (input aval, dtype, mesh) -> the jit equation's params (None: bind by calling)
@@ -138,7 +138,7 @@ def cast(x: Any, dtype: Any, ctx: Context, eqn: JaxprEqn | None = None, scope: s
             return hit[1]
     if ctx.records is not None:
         _record_cast(ctx, eqn, scope, aval.dtype, dtype)
-    # a staging trace inlines the jitted cast (``inline=True``): bind its equations directly
+    # a staging trace inlines the jitted cast (like jnp's helpers): bind its equations directly
     out = _convert_fn(aval.dtype, dtype)(x) if _jax_internals.is_staging(x) else _cast_call(x, aval, dtype)
     if memo is not None:
         memo[(id(x), dtype.name)] = (x, out)  # keeps x alive, so its id is not reused

@@ -54,6 +54,7 @@ __all__ = [
     "body_param",
     "closed_call_p",
     "is_call_primitive",
+    "inlined_when_staged",
     "jit_p",
     "primitives_by_name",
     "rewrap_bwd",
@@ -64,9 +65,26 @@ __all__ = [
     "trace_to_closed_jaxpr",
 ]
 
+# What jit's ``inline`` param holds for a call JAX inlines when it stages it (jnp's helpers): jax 0.10 ``True``;
+# jax 0.11 and 0.12 an ``Inline``, ``JAX_EARLY`` for those (a user's ``jit(inline=True)`` is ``JAX_LATE`` there,
+# inlined only when lowered, so it stays a call in the jaxpr, and ``inline=False`` is ``AUTO``).
+try:  # jax 0.11, 0.12
+    from jax._src.api import Inline as _Inline
+
+    INLINE_WHEN_STAGED: Any = _Inline.JAX_EARLY
+except ImportError:  # jax 0.10
+    INLINE_WHEN_STAGED = True
+
+
+def inlined_when_staged(params: dict[str, Any]) -> bool:
+    """Whether JAX inlines a ``jit`` equation with these params when it stages it into a jaxpr."""
+    return params.get("inline", False) is INLINE_WHEN_STAGED
+
+
 # Modules of JAX that define primitives a user program can hold; imported (if present) before
 # ``primitives_by_name`` looks, so the answer does not depend on what the user imported first.
 _PRIMITIVE_MODULES = (
+    "jax._src.compute_on",
     "jax._src.core",
     "jax._src.custom_batching",
     "jax._src.custom_derivatives",
@@ -84,6 +102,7 @@ _PRIMITIVE_MODULES = (
     "jax._src.pallas.core",
     "jax._src.random.core",
     "jax._src.state.discharge",
+    "jax._src.xla_metadata",
 )
 
 
@@ -99,12 +118,17 @@ def _debug_info(name: str, n_args: int) -> Any:
 
 
 def is_staging(x: Any) -> bool:
-    """Whether ``x`` is a value of a trace that stages a jaxpr (where an ``inline=True`` jit call is inlined)."""
+    """Whether ``x`` is a value of a trace that stages a jaxpr (where an ``inline=True`` jit call is inlined).
+    jax 0.10 to 0.12 alike."""
     return isinstance(x, pe.DynamicJaxprTracer)
 
 
 def trace_to_closed_jaxpr(fun: Callable[..., Sequence[Any]], in_avals: Sequence[Any], name: str) -> ClosedJaxpr:
-    """Traces ``fun`` (flat args -> flat list of outputs) at exactly ``in_avals``."""
+    """Traces ``fun`` (flat args -> flat list of outputs) at exactly ``in_avals``.
+
+    jax 0.10 to 0.12 alike (``trace_to_jaxpr_dynamic`` returns the jaxpr, its out avals and its constants; on
+    0.11 and 0.12 ``ClosedJaxpr(jaxpr, consts)`` attaches the constants to the jaxpr itself).
+    """
     dbg = _debug_info(name, len(in_avals))
     wrapped = lu.wrap_init(lambda *args: list(fun(*args)), debug_info=dbg)
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
@@ -135,7 +159,8 @@ def bind_shard_map(args: Sequence[Any], params: dict[str, Any], body: Callable[.
 
 
 def jit_params_with_input(params: dict[str, Any]) -> dict[str, Any]:
-    """A ``jit`` equation's params for one more (last) input, unsharded and not donated."""
+    """A ``jit`` equation's params for one more (last) input, unsharded and not donated. jax 0.10 to 0.12
+    alike."""
     return dict(
         params,
         in_shardings=(*params["in_shardings"], UNSPECIFIED),
@@ -221,7 +246,7 @@ def rewrap_rule_thunk(thunk: Any, rewrite: Callable[[ClosedJaxpr], ClosedJaxpr])
 
     ``custom_vjp_call``'s ``fwd_jaxpr_thunk`` returns ``(jaxpr, consts)`` and
     ``custom_jvp_call``'s ``jvp_jaxpr_fun`` returns ``(jaxpr, consts, out_zeros)``;
-    JAX evaluates the jaxpr with the consts. The wrapper keeps that contract.
+    JAX evaluates the jaxpr with the consts. The wrapper keeps that contract (jax 0.10 to 0.12 alike).
     """
 
     def wrapped(*zeros: Any) -> Any:
@@ -233,7 +258,11 @@ def rewrap_rule_thunk(thunk: Any, rewrite: Callable[[ClosedJaxpr], ClosedJaxpr])
 
 
 def primitives_by_name() -> dict[str, Primitive]:
-    """Every primitive object defined in a loaded ``jax`` module, by name (the first found wins)."""
+    """Every primitive object defined in a loaded ``jax`` module, by name (the first found wins).
+
+    Some of ``_PRIMITIVE_MODULES`` exist only in some releases (``jax._src.lax.eval_jaxpr`` since 0.10, the call
+    primitive's home from 0.11 on); a missing one is skipped.
+    """
     for mod in _PRIMITIVE_MODULES:
         try:
             importlib.import_module(mod)
@@ -298,7 +327,7 @@ def user_function(wrapped: Any) -> Any:
 
 
 # --- keeping jnp's inline helpers as calls while autocast traces a function --------------------------------------
-# JAX inlines a ``jit(..., inline=True)`` call (jnp's helpers) when it stages it into a jaxpr; no public switch
+# JAX inlines a jnp helper's jit call (``INLINE_WHEN_STAGED``) when it stages it into a jaxpr; no public switch
 # keeps it. While ``keep_inline_calls`` is active, the staging rule below records such a call as a ``jit``
 # equation instead, but only in the one trace that was current when it was entered (the trace of the user's
 # function, not the traces of helper bodies or loop bodies inside it). Every other trace stages as JAX does.
@@ -308,7 +337,7 @@ _STAGE_JIT = pe.custom_staging_rules[jit_p]
 
 def _stage_jit(trace: Any, source_info: Any, *args: Any, **params: Any) -> Any:
     if (
-        params.get("inline")
+        inlined_when_staged(params)
         and getattr(_KEEP, "trace", None) is trace
         and _jax_own(params["jaxpr"])
         and _plain_body(params["jaxpr"])
@@ -339,7 +368,8 @@ pe.custom_staging_rules[jit_p] = _stage_jit
 
 @contextlib.contextmanager
 def keep_inline_calls() -> Iterator[None]:
-    """Within this block, the current trace keeps ``inline=True`` jit calls as equations."""
+    """Within this block, the current trace keeps jit calls JAX would inline as equations. jax 0.10 to 0.12:
+    ``pe.custom_staging_rules[jit_p]`` stages a jit call, ``core.trace_ctx.trace`` is the current trace."""
     prev = getattr(_KEEP, "trace", None)
     _KEEP.trace = core.trace_ctx.trace
     try:
@@ -350,7 +380,7 @@ def keep_inline_calls() -> Iterator[None]:
 
 def staged_call_params(jitted: Callable[[Any], Any], aval: Any) -> dict[str, Any] | None:
     """The params of the ``jit`` equation ``jitted(x)`` stages for an input of ``aval`` (None: it stages
-    something else), so the call can be bound again without re-deriving them."""
+    something else), so the call can be bound again without re-deriving them. jax 0.10 to 0.12 alike."""
 
     def fun(x: Any) -> list[Any]:
         with keep_inline_calls():

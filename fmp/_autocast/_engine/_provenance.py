@@ -28,6 +28,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal
 from jax.extend.core.primitives import jit_p
 
 from fmp._autocast._engine import _dims
+from fmp._autocast._engine._jax_internals import inlined_when_staged
 from fmp._autocast._engine._lru import (
     LRU,
 )
@@ -161,8 +162,8 @@ def used_once(var: Any, frame: Frame) -> bool:
 
 
 def is_inline_call(eqn: JaxprEqn) -> bool:
-    """A ``jit`` equation JAX would inline when staging (jnp's helpers are ``jit(..., inline=True)``)."""
-    return eqn.primitive is jit_p and bool(eqn.params.get("inline"))
+    """A ``jit`` equation JAX would inline when staging (jnp's helpers; ``_jax_internals.INLINE_WHEN_STAGED``)."""
+    return eqn.primitive is jit_p and inlined_when_staged(eqn.params)
 
 
 def up(var: Any, frame: Frame) -> Any:

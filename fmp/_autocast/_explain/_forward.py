@@ -195,7 +195,7 @@ def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
 
 
 def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    # a plain call (closed_call, call, eval_jaxpr, ...: _jax_internals.is_call_primitive)
+    # a call whose body the rewrite rewrites (_calls.rewrite_call: closed_call, eval_jaxpr, compute_on, ...)
     body = eqn.params[_jax_internals.body_param(eqn.params)]
     return _evaluated(_jax_internals.as_closed(body), invals, ctx, scope)
 
@@ -224,7 +224,7 @@ def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
         core_prims.while_p: _loops.while_loop,
         core_prims.cond_p: _loops.cond,
     }
-    evaluated.update({p: _call for p in handlers if _jax_internals.is_call_primitive(p)})
+    evaluated.update({p: _call for p, h in handlers.items() if h is _calls.rewrite_call})
     kept = {prims[n] for n in (*_calls.REFUSED, *_calls.AS_WRITTEN) if n in prims}
     out: dict[Any, Handler] = {}
     for prim, handler in handlers.items():

@@ -50,9 +50,9 @@ def _linear_solve(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) ->
     return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, jaxprs=new))
 
 
-def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    """A plain call (``_jax_internals.is_call_primitive``: ``closed_call``, ``call``, ``eval_jaxpr``, ...): its
-    body is rewritten for the current input dtypes and bound as the same call again."""
+def rewrite_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
+    """A call (``_jax_internals.is_call_primitive``: ``closed_call``, ``call``, ``eval_jaxpr``, ...; or one of
+    ``CALLS_WITH_PARAMS``): its body is rewritten for the current input dtypes and bound as the same call again."""
     name = _jax_internals.body_param(eqn.params)
     body = eqn.params[name]
     new, invals = _call_body(_jax_internals.as_closed(body), invals, ctx, scope)
@@ -87,6 +87,11 @@ def _composite(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     return bind(eqn, restore(eqn, invals, ctx, scope), dict(eqn.params, **{name: new}))
 
 
+# Calls that carry params of their own beside the body (where it runs, compiler metadata), kept as they are
+# while the body is rewritten like a plain call's: jax.experimental.compute_on, and
+# jax.experimental.xla_metadata.xla_metadata_call (jax 0.11 and later).
+CALLS_WITH_PARAMS = ("compute_on", "xla_metadata_call")
+
 # Primitives with a sub-jaxpr (or a traced function) that fmp does not rewrite, with the reason given in the
 # error. They appear in user programs only through the APIs named.
 REFUSED: dict[str, str] = {
@@ -107,8 +112,8 @@ AS_WRITTEN: dict[str, str] = {
     "cudnn_fusion": "a cuDNN fusion",
     "call_exported": "a jax.export'ed function, serialised for fixed input dtypes",
     "custom_partitioning": "jax.experimental.custom_partitioning, whose partitioner is typed for its inputs",
-    # its params hold a primitive object typed for its input types (no jaxpr to rewrite); on jax 0.11 and 0.12
-    # lax.custom_root, jnp.ldexp, jnp.frexp, jnp.nonzero and jnp.searchsorted are such primitives
+    # its params hold a primitive object typed for its input types (no jaxpr to rewrite): lax.custom_root from
+    # jax 0.11 on, jnp.ldexp, jnp.frexp, jnp.nonzero and jnp.searchsorted from jax 0.12 on
     "call_hi_primitive": "a JAX 'hijax' primitive, typed for its inputs by its own rules",
 }
 
@@ -134,10 +139,13 @@ def handlers() -> dict[Any, Handler]:
     out: dict[Any, Handler] = {}
     for prim in prims.values():  # by what they are, not by name: JAX releases disagree on the names
         if _jax_internals.is_call_primitive(prim):
-            out[prim] = _call
+            out[prim] = rewrite_call
     for name, handler in (("custom_linear_solve", _linear_solve), ("composite", _composite)):
         if name in prims:
             out[prims[name]] = handler
+    for name in CALLS_WITH_PARAMS:
+        if name in prims:
+            out[prims[name]] = rewrite_call
     for name in REFUSED:
         if name in prims:
             out[prims[name]] = _refuse
