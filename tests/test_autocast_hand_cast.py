@@ -148,3 +148,35 @@ def test_gradient_equals_hand_cast(name: str) -> None:
         assert a.dtype == F32
         np.testing.assert_array_equal(np.asarray(a), np.asarray(h))
     assert any(not np.array_equal(np.asarray(h), np.asarray(r)) for h, r in zip(gh, gr, strict=True))
+
+
+def test_explain_and_compare_on_a_layer_scanned_linen_model() -> None:
+    """nn.scan over remat'ed blocks (a scan primitive holding a checkpoint): explain lists the body's matmul
+    once, in bfloat16, and explain(compare=True) measures it over the three layers."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.tanh(nn.Dense(4)(x)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+            return scan()(x, None)[0]
+
+    model = Stack()
+    params = model.init(jax.random.key(0), X)
+
+    def loss(p, x):
+        return jnp.sum(model.apply(p, x) ** 2)
+
+    plain = fmp.explain(loss)(params, X)
+    (mm,) = [r for r in plain.records if r.op == "dot_general"]
+    assert mm.in_after == ("bfloat16", "bfloat16")
+    rep = fmp.explain(loss, compare=True)(params, X)
+    assert [(r.op, r.category) for r in rep.records] == [(r.op, r.category) for r in plain.records]
+    (mm,) = [r for r in rep.records if r.op == "dot_general"]
+    assert mm.iterations == 3 and 0 < mm.added_error < 2**-7
+    np.testing.assert_allclose(float(fmp.autocast(loss)(params, X)), float(loss(params, X)), rtol=2e-2)
