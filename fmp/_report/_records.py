@@ -13,6 +13,7 @@ from typing import Any
 
 from fmp._report._grads import GradReport, format_grads
 from fmp._report._text import format_table, format_worst, worst_rows
+from fmp._report._verdict import fix_rows, verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,18 @@ class Report:
         return worst_rows(self.grad_rows if grads else self.records, k)
 
     @property
+    def needs_fix(self) -> list[OpRecord]:
+        """The compared rows with a suggestion, worst first: overflows first, then by decreasing
+        ``added_error`` (then flips, then error); ``[]`` when no op needs a fix (a healthy model).
+
+        Raises:
+          ValueError: The report has no errors (``compare=True`` missing).
+        """
+        if not self.compared:
+            raise ValueError("Report.needs_fix needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
+        return fix_rows(self.records)
+
+    @property
     def grad_errors(self) -> dict[str, Any]:
         """Key path of each gradient leaf -> its ``GradError`` (``grads=True``)."""
         return dict(self._grads().errors)
@@ -238,7 +251,8 @@ class Report:
         )
         if not self.compared:
             return table
-        text = f"{format_worst(worst_rows(self.records, 10))}\n\n{table}"
+        head = verdict(self.records, self.policy)
+        text = f"{head}\n\n{format_worst(worst_rows(self.records, 10))}\n\n{table}"
         if self.grads is not None:
             text += f"\n\n{format_grads(self.grads)}"
             if self.grads.rows:

@@ -1,0 +1,63 @@
+"""The verdict of a compared report: ``Report.needs_fix`` and the line ``str(report)`` opens with."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fmp
+
+
+def _block():
+    """A small pre-norm transformer block (flax linen) on healthy data."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, h)
+            h = nn.Dense(64)(nn.LayerNorm()(x))
+            x = x + nn.Dense(32)(nn.gelu(h))
+            return jax.nn.log_softmax(x, -1)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 32))
+    model = Block()
+    return model, model.init(jax.random.PRNGKey(0), x), x
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_healthy_model_needs_no_fix(policy):
+    model, params, x = _block()
+    rep = fmp.explain(model.apply, policy, compare=True)(params, x)
+    assert rep.needs_fix == []
+    name = policy.removeprefix("mixed_")
+    u = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[name]
+    first = str(rep).splitlines()[0]
+    assert first.startswith(f"no op needs a fix ({name} unit roundoff u = {u:.1e};")
+    assert f"4u = {4 * u:.1e}" in first
+    # the healthy rows still have errors of the dtype's rounding
+    assert max(r.added_error or 0.0 for r in rep.records) > u / 16
+
+
+def test_planted_ops_are_counted_worst_first_overflows_first():
+    rules = fmp.DEFAULT_RULES.derive(lower_precision=["exp", "sin"])
+
+    def fn(x):
+        return jnp.sum(jnp.sin(x * 1000.0)) + jnp.sum(jnp.exp(x * 12.0))  # exp(12) > float16 max
+
+    rep = fmp.explain(fn, "mixed_float16", rules=rules, compare=True)(jnp.linspace(0.0, 1.0, 64))
+    ops = [r.op for r in rep.needs_fix]
+    assert ops == ["exp", "sin"]  # the overflow first, though it comes later in the program
+    assert rep.needs_fix[0].nonfinite
+    assert str(rep).startswith("2 ops need a fix (float16 unit roundoff")
+    one = fmp.explain(lambda x: jnp.sum(jnp.sin(x * 1000.0)), "mixed_float16", rules=rules, compare=True)
+    assert str(one(jnp.linspace(0.0, 1.0, 64))).startswith("1 op needs a fix (float16")
+
+
+def test_needs_fix_needs_compare():
+    rep = fmp.explain(jnp.sin)(jnp.ones(3))
+    with pytest.raises(ValueError, match="compare=True"):
+        _ = rep.needs_fix
+    assert not str(rep).startswith("no op")
