@@ -1,8 +1,9 @@
 """fmp: functional mixed precision for JAX, with a torch.amp-compatible facade.
 
-``import fmp`` imports JAX only; ``fmp.optax`` and ``fmp.torch`` import optax and torch.
+``import fmp`` imports JAX only (``fmp.testing`` too); ``fmp.optax`` and ``fmp.torch`` import optax and torch.
 """
 
+from fmp import testing as testing  # noqa: E402, I001 - the check for users' tests (imports JAX only)
 from fmp._autocast import autocast as autocast
 from fmp._autocast import autocast_jaxpr as autocast_jaxpr
 from fmp._autocast import bwd_as_written as bwd_as_written

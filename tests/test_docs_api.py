@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-MODULES = ["fmp", "fmp.optax", "fmp.torch", "fmp.torch.cuda", "fmp.torch.cuda.amp", "fmp.torch.fp16_utils"]
+MODULES = ["fmp", "fmp.testing", "fmp.optax", "fmp.torch", "fmp.torch.cuda", "fmp.torch.cuda.amp", "fmp.torch.fp16_utils"]
 DOCS = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
 ENTRIES = set(re.findall(r"^::: ([\w.]+)", DOCS, re.M))
 

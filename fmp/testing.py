@@ -1,0 +1,108 @@
+"""Precision checks for users' own tests: ``fmp.testing.assert_precision``.
+
+A test asserts that a model runs under a mixed-precision policy with no op that needs a fix and with its
+outputs (and, with ``grads=True``, its gradients) within a relative error of the program as written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from fmp._autocast import autocast, explain
+from fmp._policy import Policy
+from fmp._report._records import Report
+from fmp._report._verdict import failure
+
+__all__ = ["assert_precision"]
+
+_KWARGS = ("rules", "overrides")
+
+
+def assert_precision(
+    fn: Callable[..., Any],
+    policy: str | Policy,
+    *args: Any,
+    max_error: float | None = None,
+    grads: bool = False,
+    argnums: int | tuple[int, ...] = 0,
+    **autocast_kwargs: Any,
+) -> Report:
+    """Asserts that ``fn(*args)`` keeps its precision under ``policy``; returns the precision report.
+
+    Runs ``fmp.explain(fn, policy, compare=True)(*args)`` and ``fmp.autocast(fn, policy)(*args)`` against
+    ``fn(*args)`` as written. Fails where an op needs a fix (``Report.needs_fix``: it overflows, flips
+    discrete outputs or adds an error far above its dtype's roundoff), where an output leaf is not finite,
+    or where an output leaf's relative L2 error is above ``max_error``. With ``grads=True`` (``fn``
+    returns a scalar loss) each gradient leaf of the ``argnums`` arguments is bounded the same way (a leaf
+    whose exact gradient is zero, such as an attention key's bias, has no meaningful relative error: leave
+    it out of ``argnums`` or the model).
+
+    Args:
+      fn: The function to check, called as ``fn(*args)``.
+      policy: As for `fmp.autocast` (``"mixed_bfloat16"``, ``"mixed_float16"``, a `Policy`).
+      *args: The inputs, concrete arrays (call it outside ``jit``).
+      max_error: The largest relative L2 error allowed for each output leaf (and gradient leaf); ``None``
+        bounds only the verdict and finiteness.
+      grads: Also compare the gradients of ``argnums`` (``fn`` returns a scalar).
+      argnums: Which positional arguments to differentiate, as for ``jax.grad``.
+      **autocast_kwargs: ``rules=`` and ``overrides=``, as for `fmp.autocast` (paste
+        ``**report.suggested()`` here to check the fixes).
+
+    Returns:
+      The ``Report`` of ``fmp.explain(fn, policy, compare=True, grads=grads)``.
+
+    Raises:
+      AssertionError: The check fails; the message opens with the verdict and names the worst op's source
+        line, its error and its suggestion, then the outputs or leaves above ``max_error``.
+      TypeError: An ``autocast_kwargs`` key other than ``rules`` or ``overrides``.
+      ValueError: ``max_error`` is not a number >= 0.
+
+    Examples:
+      >>> from fmp.testing import assert_precision
+      >>> def mlp(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w, x = jnp.eye(8) / 2, jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+      >>> rep = assert_precision(mlp, "mixed_bfloat16", w, x, max_error=1e-2, grads=True)
+      >>> rep.needs_fix
+      []
+      >>> assert_precision(lambda x: jnp.sum(x @ x.T), "mixed_float16", x * 1e3)
+      Traceback (most recent call last):
+        ...
+      AssertionError: 1 op needs a fix (float16 unit roundoff u = 4.9e-04; ...
+    """
+    unknown = sorted(set(autocast_kwargs) - set(_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"assert_precision takes rules= and overrides= as autocast keywords, got {', '.join(unknown)}; "
+            f"pass the inputs positionally after the policy"
+        )
+    if max_error is not None and (isinstance(max_error, bool) or not isinstance(max_error, int | float)):
+        raise TypeError(f"assert_precision(max_error=...) expects a number or None, got {max_error!r}")
+    if max_error is not None and not max_error >= 0:
+        raise ValueError(f"assert_precision(max_error=...) must be >= 0, got {max_error!r}")
+    report = explain(fn, policy, compare=True, grads=grads, argnums=argnums, **autocast_kwargs)(*args)
+    want = jax.tree_util.tree_leaves_with_path(fn(*args))
+    got = jax.tree_util.tree_leaves(autocast(fn, policy, **autocast_kwargs)(*args))
+    errors = {f"output{jax.tree_util.keystr(k)}": _relative(g, w) for (k, w), g in zip(want, got, strict=True)}
+    if grads:
+        errors.update({f"gradient {k}": e.error for k, e in report.grad_errors.items()})
+    message = failure(report.records, report.policy, errors, max_error)
+    if message:
+        raise AssertionError(message)
+    return report
+
+
+def _relative(got: Any, want: Any) -> float:
+    """Relative L2 error of one floating leaf (0 for other leaves; inf where ``got`` is not finite)."""
+    g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.issubdtype(np.asarray(want).dtype, np.floating) and np.asarray(want).dtype.name != "bfloat16":
+        return 0.0
+    if not np.all(np.isfinite(g)):
+        return float("inf")
+    norm = np.linalg.norm(w)
+    diff = np.linalg.norm(g - w)
+    return float(diff / norm) if norm > 0 else float(diff)
