@@ -34,10 +34,12 @@ def _op(name: str) -> str:
 
 
 def _fix(code: str | None) -> str | None:
-    """A suggestion up to the op names (and the rule table's ``framework=`` argument)."""
+    """A suggestion up to the op names, the rule table's ``framework=`` argument and a source location's
+    line (each program writes the op on its own line; torch's stack traces give no column)."""
     if code is None:
         return None
     code = code.replace('framework="torch", ', "")
+    code = re.sub(r'"([^"]+\.py):\d+(?::\d+)?"', r'"\1:LINE"', code)
     return re.sub(r'"(aten::[^"]+)"', lambda m: f'"{_op(m.group(1))}"', code)
 
 
@@ -153,7 +155,7 @@ class _Overflow(nn.Module):
 
 def test_float16_overflow():
     j, t = _both(_jax_overflow, (WO, XO), _Overflow(), (torch.from_numpy(XO),), F16)
-    fix = 'rules=fmp.DEFAULT_RULES.derive(float32=["mul"])'
+    fix = 'overrides={"tests/test_explain_parity.py:LINE": "float32"}'  # the line of h * h, not every mul
     assert _flagged(j) == [("", "promote", True, False, fix)] and _flagged(t) == [("", "unlisted", True, False, fix)]
     for rep in (j, t):
         top = rep.worst(1)[0]

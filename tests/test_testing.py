@@ -46,7 +46,6 @@ def test_max_error_bounds_the_output():
 def test_grads_bound_each_gradient_leaf():
     rep = assert_precision(_mlp, "mixed_bfloat16", _P, _X, max_error=1e-2)
     assert rep.grads is None
-    bound = 1e-6  # above the forward output's error, below the gradient's
     out = float(abs(fmp.autocast(_mlp, "mixed_bfloat16")(_P, _X) - _mlp(_P, _X)) / _mlp(_P, _X))
     grad_error = fmp.explain(_mlp, "mixed_bfloat16", compare=True, grads=True)(_P, _X).grad_errors["['w']"].error
     bound = (out + grad_error) / 2 if grad_error > out else None

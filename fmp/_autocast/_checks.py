@@ -104,6 +104,8 @@ def warn_no_effect(closed: ClosedJaxpr, policy: Policy, overrides: tuple[tuple[s
         hint = _HINT_F64 if "float64" in floats else _HINT_OTHER
         warnings.warn(_MSG_NO_EFFECT.format(policy=label, found=found, hint=hint), UserWarning, stacklevel=3)
     for key, _ in overrides:
+        if _scopes.is_location(key):  # a source location, not a scope: checked by the rows it selects
+            continue
         if not any(_scopes.matches(s, key) for s in scopes):
             seen = ", ".join(repr(s) for s in sorted(scopes)[:8]) + (" ..." if len(scopes) > 8 else "")
             warnings.warn(_MSG_OVERRIDE_UNUSED.format(key=key, seen=seen or "none"), UserWarning, stacklevel=3)

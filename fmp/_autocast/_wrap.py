@@ -69,7 +69,9 @@ def autocast(
         an argument runs under its attribute path, ``blocks/0/attn``) whose path contains the key run
         under that policy, e.g. ``{"LayerNorm": "float32"}``. Matching is
         case-sensitive on the scopes opened inside ``fn``, never inside a number (``"blocks/1"`` does not
-        select ``blocks/10``); the innermost wins.
+        select ``blocks/10``); the innermost wins. A key that names a source location
+        (``"model.py:12"``, ``"src/model.py:12:8"``: a path's tail, a line, a column) selects the ops of
+        that line instead, before any scope key (what `fmp.explain` suggests for an op outside any scope).
         An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
       fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
         the scales come from (see `fmp.float8_state`). Differentiate with

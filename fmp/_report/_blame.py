@@ -21,8 +21,9 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from fmp._core._dtypes import LOW_PRECISION as LOW
-from fmp._core._rules import DEFAULT_RULES, RuleSet
+from fmp._core._rules import RuleSet
 from fmp._report._compare import AMPLIFIED, FAR, OpRecord, Stats, unit_roundoff, with_stats
+from fmp._report._fixes import fix_code
 
 # how many ops upstream an inherited error is traced to the rows that rounded its inputs
 WALK = 16
@@ -91,18 +92,6 @@ def charged(
                 upstream += inputs(node)
         frontier = upstream
     return [found[i] for i in sorted(found)]
-
-
-def fix_code(culprits: Sequence[OpRecord], rules: RuleSet, framework: str = "jax") -> str:
-    """Code to paste that runs ``culprits`` in float32: an override of their scopes, or a rule-table move
-    (``framework="torch"`` moves ``aten::`` ops)."""
-    if all(c.scope for c in culprits):
-        scopes = ", ".join(f'"{s}": "float32"' for s in dict.fromkeys(c.scope for c in culprits))
-        return f"overrides={{{scopes}}}"
-    base = "fmp.DEFAULT_RULES" if rules is DEFAULT_RULES else "rules"
-    ops = ", ".join(f'"{op}"' for op in dict.fromkeys(c.op for c in culprits))
-    where = 'framework="torch", ' if framework == "torch" else ""
-    return f"rules={base}.derive({where}float32=[{ops}])"
 
 
 def suggestion(

@@ -11,6 +11,7 @@ import os
 import re
 from typing import Any
 
+from fmp._report._fixes import combined
 from fmp._report._grads import GradReport, format_grads
 from fmp._report._text import format_table, format_worst, worst_rows
 from fmp._report._verdict import fix_rows, verdict
@@ -55,8 +56,10 @@ class OpRecord:
       nonfinite: inf/NaN appeared in the policy run where the reference is finite.
       flips: Changed elements of integer/boolean outputs (``argmax``, ``top_k``
         indices, comparisons); 0 for floating outputs.
-      suggestion: Code to paste that fixes a large added error (an
-        ``overrides=`` entry or a ``RuleSet.derive`` call), or ``None``.
+      suggestion: Code to paste that fixes a large added error, or ``None``: an ``overrides=`` entry for
+        the innermost scope of the ops to run in float32 (``{"block/mlp": "float32"}``), or, outside any
+        scope, for their source location (``{"model.py:12:8": "float32"}``); where neither is known, a
+        ``rules=fmp.DEFAULT_RULES.derive(...)`` of the rules the report ran under with the op moved.
       error_mean, added_error_mean: Inside a loop body, the means over the
         iterations (the fields above hold the worst iteration's); else ``None``.
       iterations: How many times the row's op ran: the iterations of the loops around it (1 outside loops);
@@ -152,6 +155,26 @@ class Report:
         if not self.compared:
             raise ValueError("Report.needs_fix needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
         return fix_rows(self.records)
+
+    def suggested(self) -> dict[str, Any]:
+        """The keyword arguments (``overrides=``, ``rules=``) that apply every suggestion of ``needs_fix`` at
+        once; ``{}`` when no op needs a fix. A ``rules=`` entry holds the rules the report ran under (spelled
+        from ``fmp.DEFAULT_RULES``) with the ops it names moved to float32: pass it instead of your own.
+
+        Raises:
+          ValueError: The report has no errors (``compare=True`` missing).
+
+        Examples:
+          >>> def f(x):
+          ...     return jnp.sum(x @ x.T)
+          >>> x = jnp.linspace(-1.0, 1.0, 32).reshape(4, 8) * 1e3
+          >>> rep = fmp.explain(f, "mixed_float16", compare=True)(x)
+          >>> [r.op for r in rep.needs_fix], sorted(rep.suggested())
+          (['dot_general'], ['overrides'])
+          >>> fmp.explain(f, "mixed_float16", compare=True, **rep.suggested())(x).needs_fix
+          []
+        """
+        return combined(r.suggestion for r in self.needs_fix)
 
     @property
     def grad_errors(self) -> dict[str, Any]:

@@ -106,12 +106,20 @@ class Context:
     # higher-order equation being rewritten (``_weights.body_weights``)
     weights_in: Mapping[int, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
 
-    def resolve(self, scope: str) -> tuple[str, Policy]:
-        """``("nested" | "override" | "default", policy)`` for an equation in ``scope``."""
+    def resolve(self, scope: str, source: Callable[[], str] | None = None) -> tuple[str, Policy]:
+        """``("nested" | "override" | "default", policy)`` for an equation in ``scope``; ``source()`` gives its
+        source line, which a source-location key of ``overrides`` selects (before any scope key)."""
         if REGION_SCOPE in scope:
             return "nested", self.policy
+        if source is not None and any(_scopes.is_location(k) for k, _ in self.overrides):
+            line = source()
+            for key, pol in self.overrides:
+                if _scopes.is_location(key) and _scopes.matches_location(line, key):
+                    return "override", pol
         best, where = None, -1
         for key, pol in self.overrides:
+            if _scopes.is_location(key):
+                continue
             pos = _scopes.find_key(scope, key)
             if pos > where:
                 best, where = pol, pos

@@ -25,7 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_par
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast, restore
-from fmp._autocast._engine._context import REGION_SCOPE, Context, record_eqn
+from fmp._autocast._engine._context import REGION_SCOPE, Context, record_eqn, source_of
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._provenance import Chain, frame_of, is_inline_call
 from fmp._autocast._engine._weights import (
@@ -236,7 +236,7 @@ class Rows:
 def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     """Rewrites and binds one equation; returns its outputs."""
     prim = eqn.primitive
-    mode, policy = ctx.resolve(scope)
+    mode, policy = ctx.resolve(scope, lambda: source_of(eqn, ctx))
     if (mode == "nested" and not is_inline_call(eqn)) or prim.name in OPAQUE or prim.name in EXACT_DTYPE:
         invals = restore(eqn, invals, ctx, scope)
         outs = bind(eqn, invals, eqn.params)

@@ -113,10 +113,14 @@ def explain(
       1.0
       >>> rules = fmp.DEFAULT_RULES.derive(lower_precision=["exp"])
       >>> x = jnp.linspace(0.0, 80.0, 64)
-      >>> rep = fmp.explain(lambda x: jnp.exp(x).sum(), rules=rules, compare=True)(x)
+      >>> def f(x):
+      ...     return jnp.exp(x).sum()
+      >>> rep = fmp.explain(f, rules=rules, compare=True)(x)
       >>> top = rep.worst(1)[0]
-      >>> top.op, top.added_error > 1e-3, top.suggestion
-      ('exp', True, 'rules=rules.derive(float32=["exp"])')
+      >>> top.op, top.added_error > 1e-3, top.suggestion  # outside any scope: its source line
+      ('exp', True, 'overrides={"<doctest ...>:2:...": "float32"}')
+      >>> rep.needs_fix == [top], fmp.explain(f, rules=rules, compare=True, **rep.suggested())(x).needs_fix
+      (True, [])
       >>> def loss(p, x):
       ...     return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
       >>> params, x = {"w": jnp.eye(8) / 4}, jnp.linspace(-2.0, 2.0, 32).reshape(4, 8)

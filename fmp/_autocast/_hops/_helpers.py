@@ -39,6 +39,7 @@ from fmp._autocast._engine._provenance import (
     returned_inputs,
     used_once,
 )
+from fmp._core import _scopes
 from fmp._core._rules import Category
 
 # False: every helper is inlined (the reference the kept calls are tested against)
@@ -93,6 +94,8 @@ def _can_hoist(ctx: Context, scope: str, body: Any) -> bool:
     # cast moved to the call would be undone there (a round trip that changes gradients under jit); a body
     # that opens scopes of its own may hold such equations
     if ctx.resolve(scope)[0] != "default":
+        return False
+    if any(_scopes.is_location(k) for k, _ in ctx.overrides):  # a source-location key may select any equation
         return False
     return not ctx.overrides or not any(str(e.source_info.name_stack) for e in body.eqns)
 

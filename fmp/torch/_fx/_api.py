@@ -129,7 +129,8 @@ def autocast_fx(
         (``"layers.0.self_attn"``, the path of ``model.get_submodule``) contains the key (never cut
         inside a number: ``"layers.1"`` is not ``"layers.10"``) as written: no
         autocast casts, its inputs returned to the dtypes they have without autocast (what
-        `explain_fx` suggests for an op that loses precision). Under a float8 policy, a policy without
+        `explain_fx` suggests for an op that loses precision). A ``"float32"`` key that names a source
+        location (``"model.py:12"``) runs the ops of that line as written. Under a float8 policy, a policy without
         fp8 and with the same compute dtype (``{"lm_head": "mixed_bfloat16"}``) opts modules out of
         float8: a matmul whose weight's module path (``lm_head`` for ``lm_head.weight``) contains a key
         runs in the compute dtype.

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+
+from fmp._core._frames import user_frame
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def node_source(node: torch.fx.Node | None) -> str:
+    """``/path/to/file.py:12 (fn)`` of the innermost user frame of a node's stack trace (``fmp._core._frames``),
+    or ``""`` when no frame is the user's."""
+    trace = node.meta.get("stack_trace", "") if node is not None else ""
+    found = user_frame(reversed(_FRAME.findall(trace or "")), lambda frame: frame[0])
+    return f"{found[0]}:{found[1]} ({found[2]})" if found else ""
 
 CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 TO_COPY = torch.ops.aten._to_copy.default

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -11,30 +10,20 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fmp._core._frames import user_frame
 from fmp._core._rules import RuleSet
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
 from fmp.torch._fx import _compare
-from fmp.torch._fx._common import Event, float_names, module_path
+from fmp.torch._fx._common import Event, float_names, module_path, node_source
 from fmp.torch._fx._float8 import float8_events
 from fmp.torch._fx._prepare import prepare, resolve_policy, rewrite
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
 _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
 _MSG_FLOAT8 = (
     "explain_fx(compare=True) does not compare float8 policies yet: compare under the policy without fp8 "
     "(e.g. 'mixed_bfloat16'), or call explain_fx without compare=True to see the float8 rows."
 )
-
-
-def _source(node: torch.fx.Node | None) -> str:
-    """``/path/to/file.py:12 (fn)`` of the innermost user frame of a node's stack trace (``fmp._core._frames``),
-    or ``""`` when no frame is the user's."""
-    trace = node.meta.get("stack_trace", "") if node is not None else ""
-    found = user_frame(reversed(_FRAME.findall(trace or "")), lambda frame: frame[0])
-    return f"{found[0]}:{found[1]} ({found[2]})" if found else ""
 
 
 def _flops(op: str, node: torch.fx.Node) -> float:
@@ -77,7 +66,7 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
     for i, ev in enumerate(events):
         node = ev.node
         origin = ev.origin if ev.origin is not None else node
-        full = _source(origin)
+        full = node_source(origin)
         rows.append(
             OpRecord(
                 index=i,
@@ -195,7 +184,8 @@ def explain_fx(
       >>> rep = fmp.torch.explain_fx(lambda x: x.softmax(-1), (logits,), "cpu", rules=rules, compare=True)
       >>> top = rep.worst(1)[0]
       >>> top.op, top.added_error > 0.1, top.suggestion
-      ('aten::softmax.int', True, 'rules=rules.derive(framework="torch", float32=["aten::softmax.int"])')
+      ('aten::softmax.int', True,
+       'rules=fmp.DEFAULT_RULES.derive(framework="torch", float32=["aten::softmax.int"])')
       >>> mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
       >>> loss = torch.nn.Sequential(mlp, torch.nn.Flatten(0))
       >>> sorted(fmp.torch.explain_fx(loss, (torch.randn(1, 16),), "cpu", compare=True, grads=True).grad_errors)

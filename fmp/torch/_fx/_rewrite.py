@@ -44,6 +44,7 @@ from fmp.torch._fx._common import (
     is_eligible,
     is_tensor,
     module_path,
+    node_source,
     op_key,
     prioritize,
     same_meta,
@@ -185,9 +186,13 @@ class Rewriter(GraphBuilder):
         return self._copy(node, args, kwargs)
 
     def as_written(self, node: torch.fx.Node) -> bool:
-        """Whether a float32 override runs ``node`` as written: its module path contains a key."""
+        """Whether a float32 override runs ``node`` as written: its module path contains a key, or its source
+        line is a source-location key's (``"model.py:12"``)."""
         path = module_path(node)
-        return any(_scopes.matches(path, key) for key in self.written)
+        for key in self.written:
+            if _scopes.matches_location(node_source(node), key) if _scopes.is_location(key) else _scopes.matches(path, key):
+                return True
+        return False
 
     def _restored(self, old: torch.fx.Node, new: Any, like: torch.fx.Node) -> Any:
         """``new`` cast back to the floating dtype ``old`` has as written, for an op run as written."""
