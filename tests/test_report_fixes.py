@@ -3,6 +3,8 @@ location outside any scope), never a whole primitive; ``Report.suggested()`` app
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,3 +94,19 @@ def test_a_rule_table_fix_names_no_variable_of_the_user():
     assert row.suggestion == 'rules=fmp.DEFAULT_RULES.derive(lower_precision=["sin"], float32=["exp"])'
     fixed = rep.suggested()["rules"]
     assert fixed.category("exp") is fmp.Category.FLOAT32 and fixed.category("sin") is fmp.Category.LOWER_PRECISION
+
+
+def test_every_overflow_in_one_pass_with_its_size_and_the_rows_that_inherit_it():
+    args = _inputs()
+    rep = fmp.explain(_unscoped, "mixed_float16", compare=True)(*args)
+    first, second = sorted(rep.needs_fix, key=lambda r: r.index)
+    # the second matmul overflows on its own reference inputs, though its inputs are already non-finite
+    assert second.added_error == np.inf and second.ref_max > 65504
+    head = str(rep).split("\n\nfmp precision report", 1)[0]
+    for row in (first, second):
+        assert f"|x| up to {row.ref_max:.1e}, float16 max 65504" in head
+    assert re.search(r"; \d+ ops? downstream inherits? it", head)
+    # rows that only inherit the inf are folded into their culprit, not listed one by one
+    inheriting = [r for r in rep.records if r.nonfinite and r.suggestion is None]
+    assert inheriting and not any(f"\n#{r.index} " in head for r in inheriting)
+    assert rep.worst(2) == tuple(rep.needs_fix)

@@ -61,3 +61,46 @@ def test_needs_fix_needs_compare():
     with pytest.raises(ValueError, match="compare=True"):
         _ = rep.needs_fix
     assert not str(rep).startswith("no op")
+
+
+def test_the_full_table_has_error_columns_short_rules_and_lines_inside_jnp_helpers():
+    def f(x, w):
+        return jnp.mean(jax.nn.log_softmax(x @ w, -1))
+
+    x, w = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), jnp.eye(8)
+    rep = fmp.explain(f, "mixed_float16", compare=True)(x, w)
+    table = str(rep).split("\n\nfmp precision report", 1)[1]
+    header = table.splitlines()[1].split()
+    assert header[header.index("after", 8) + 1 : header.index("after", 8) + 3] == ["added", "error"]
+    plain = str(fmp.explain(f, "mixed_float16")(x, w))
+    assert " added " not in plain.splitlines()[1]
+    # the rows inside jax.nn.log_softmax (a jit of jax's own) name the user's line that calls it
+    inside = [r for r in rep.records if r.op in ("reduce_max", "exp", "log")]
+    assert len(inside) == 3 and all(r.source.startswith("tests/test_report_verdict.py:") for r in inside)
+    assert len({r.source for r in inside}) == 1
+    # the rule summary lines fit 100 columns
+    summary = table.split("\n\n", 1)[1].splitlines()
+    assert summary and all(len(line) <= 100 for line in summary)
+
+
+def test_a_long_rule_text_is_cut_in_the_table_but_kept_in_the_row():
+    from fmp._report._records import OpRecord
+    from fmp._report._text import RULE_WIDTH, format_table
+
+    why = "activation x activation (neither operand is a weight of the module): runs in the compute dtype"
+    row = OpRecord(
+        0,
+        "dot_general",
+        "",
+        "",
+        "float8",
+        ("float32",) * 2,
+        ("bfloat16",) * 2,
+        ("float32",),
+        ("bfloat16",),
+        detail="tensorwise",
+        why=why,
+    )
+    line = format_table([row], {}, title="t").splitlines()[3]
+    cell = "float8:tensorwise [activation..."
+    assert cell in line and len(cell) == RULE_WIDTH and why not in line and row.why == why

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 OpRecord = Any  # fmp._report._records.OpRecord (whose plot imports this module)
-Stats = tuple[Any, Any, Any, bool, int]  # the row fields ``STATS``, in order
-STATS = ("error", "sqnr_db", "max_abs_error", "nonfinite", "flips")
+Stats = tuple[Any, Any, Any, bool, int, Any]  # the row fields ``STATS``, in order
+STATS = ("error", "sqnr_db", "max_abs_error", "nonfinite", "flips", "ref_max")
 
 # unit roundoff (half the machine epsilon) of each floating dtype an op may run in
 UNIT_ROUNDOFF = {
@@ -72,24 +72,25 @@ EXACT_OPS = frozenset(
 )
 
 
-def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> tuple[Any, Any, Any, bool, int]:
+def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> Stats:
     """``output_stats`` from the ``array_parts`` of each floating output (any array library's scalars) and the
     count of changed discrete elements."""
     if not parts:
-        return None, None, None, False, flips
-    signal = noise = max_abs = 0.0
+        return None, None, None, False, flips, None
+    signal = noise = max_abs = ref_max = 0.0
     nonfinite = False
     for part in parts:
         r_max, r_sq, d_max, d_sq, bad, over = (float(x) for x in part)
         nonfinite |= bool(over)
+        ref_max = max(ref_max, r_max)
         signal += r_max * r_max * r_sq
         noise += math.inf if bad else d_max * d_max * d_sq
         max_abs = max(max_abs, math.inf if bad else d_max)
     if noise == 0.0:
-        return 0.0, math.inf, max_abs, nonfinite, flips
+        return 0.0, math.inf, max_abs, nonfinite, flips, ref_max
     error = math.sqrt(noise / signal) if signal > 0.0 else math.inf
     sqnr = 10.0 * math.log10(signal / noise) if signal > 0.0 and math.isfinite(noise) else -math.inf
-    return error, sqnr, max_abs, nonfinite, flips
+    return error, sqnr, max_abs, nonfinite, flips, ref_max
 
 
 def array_parts(xp: Any, p: Any, r: Any, top: Any = None) -> tuple[Any, ...]:
@@ -188,7 +189,7 @@ def split_outputs(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> 
 
 
 def output_stats(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> Stats:
-    """``(error, sqnr_db, max_abs_error, nonfinite, flips)`` of ``outs`` against ``refs``.
+    """``(error, sqnr_db, max_abs_error, nonfinite, flips, ref_max)`` of ``outs`` against ``refs``.
 
     ``error`` is the relative L2 error over all floating outputs (``None`` when there are none);
     ``nonfinite`` says an inf/NaN appeared where the reference is finite (then ``error`` is inf); ``flips``

@@ -13,7 +13,7 @@ from typing import Any
 
 from fmp._report._fixes import combined
 from fmp._report._grads import GradReport, format_grads
-from fmp._report._text import format_table, format_worst, worst_rows
+from fmp._report._text import format_table, format_worst, inherited, inherits, worst_rows
 from fmp._report._verdict import fix_rows, verdict
 
 
@@ -67,6 +67,8 @@ class OpRecord:
       underflow: A backward row with float16 outputs (``grads=True``): the fraction of the reference
         values' nonzero elements below float16's normal range at the loss scale (rounded to zero, or
         subnormal, which fmp's casts flush to zero); else ``None``.
+      ref_max: With ``compare=True``: the largest finite ``|value|`` of the op's floating outputs in the
+        program as written (an overflow row sets it against its dtype's largest value); else ``None``.
     """
 
     index: int
@@ -93,6 +95,7 @@ class OpRecord:
     added_error_mean: float | None = None
     iterations: int = 1
     underflow: float | None = None
+    ref_max: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -270,12 +273,17 @@ class Report:
 
     def __str__(self) -> str:
         table = format_table(
-            self.records, self.summary, title=f"fmp precision report ({self.framework}, {self.policy})"
+            self.records,
+            self.summary,
+            title=f"fmp precision report ({self.framework}, {self.policy})",
+            compared=self.compared,
         )
         if not self.compared:
             return table
         head = verdict(self.records, self.policy)
-        text = f"{head}\n\n{format_worst(worst_rows(self.records, 10))}\n\n{table}"
+        down = inherited(self.records)
+        own = [r for r in self.records if not (down and inherits(r))]  # folded into their culprits
+        text = f"{head}\n\n{format_worst(worst_rows(own, 10), downstream=down)}\n\n{table}"
         if self.grads is not None:
             text += f"\n\n{format_grads(self.grads)}"
             if self.grads.rows:

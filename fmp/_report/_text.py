@@ -2,21 +2,55 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import textwrap
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 OpRecord = Any  # fmp._report._records.OpRecord (whose Report formats itself with this module)
 
+# the largest finite value of each low-precision dtype: what an overflow row sets its values against
+DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def inherits(r: OpRecord) -> bool:
+    """The row's non-finite values are its inputs': run alone on the reference inputs, the op is finite."""
+    return r.nonfinite and r.suggestion is None and r.added_error is not None and math.isfinite(r.added_error)
+
 
 def _rank(r: OpRecord) -> tuple[bool, bool, float, int, float]:
-    return (r.nonfinite, r.suggestion is not None, r.added_error or 0.0, r.flips, r.error or 0.0)
+    return (r.nonfinite and not inherits(r), r.suggestion is not None, r.added_error or 0.0, r.flips, r.error or 0.0)
 
 
 def worst_rows(records: Iterable[OpRecord], k: int) -> tuple[OpRecord, ...]:
-    """Compared rows, worst first: non-finite values, then rows with a fix, each by decreasing added error,
-    flips and error."""
+    """Compared rows, worst first: rows that make non-finite values themselves, then rows with a fix, each by
+    decreasing added error, flips and error (rows that only inherit a non-finite value follow)."""
     rows = [r for r in records if r.error is not None or r.flips]
     return tuple(sorted(rows, key=_rank, reverse=True)[: max(k, 0)])
+
+
+def inherited(records: Sequence[OpRecord]) -> dict[int, int]:
+    """Row index of each op that makes non-finite values -> how many later rows only inherit them (each
+    charged to the nearest such op before it, in program order)."""
+    counts: dict[int, int] = {}
+    culprit = None
+    for r in records:
+        if r.nonfinite and not inherits(r):
+            culprit = r.index
+            counts.setdefault(culprit, 0)
+        elif inherits(r) and culprit is not None:
+            counts[culprit] += 1
+    return counts
+
+
+def overflow_text(r: OpRecord) -> str:
+    """``|x| up to 4.1e+05, float16 max 65504`` for a row whose own values overflow its output dtype."""
+    if r.ref_max is None or r.added_error is None or math.isfinite(r.added_error):
+        return ""
+    for name in r.out_after:
+        if name in DTYPE_MAX and r.ref_max > DTYPE_MAX[name]:
+            return f"|x| up to {r.ref_max:.1e}, {name} max {DTYPE_MAX[name]:.6g}"
+    return ""
 
 
 def _num(x: float | None, fmt: str = ".2e") -> str:
@@ -26,10 +60,15 @@ def _num(x: float | None, fmt: str = ".2e") -> str:
 def format_worst(
     rows: Iterable[OpRecord],
     title: str = "worst ops (overflows and fixes first; error = relative L2 vs the program as written)",
+    downstream: dict[int, int] | None = None,
 ) -> str:
-    """The worst ops, one block each: errors, where in the source, and the suggested fix."""
+    """The worst ops, one block each: errors, where in the source, and the suggested fix; ``downstream``: how
+    many rows inherit each culprit's non-finite values (those rows are left out)."""
     out = [title]
+    downstream = downstream or {}
     for r in rows:
+        if downstream and inherits(r):
+            continue
         flag = "  NON-FINITE" if r.nonfinite else ""
         out.append(
             f"#{r.index} {r.op} [{_dtypes(r.in_after)} -> {_dtypes(r.out_after)}, {r.category}]: "
@@ -45,6 +84,10 @@ def format_worst(
         where = "  ".join(x for x in (r.scope and f"scope {r.scope}", r.source) if x)
         if where:
             out.append(f"    at {where}")
+        over, n = overflow_text(r), downstream.get(r.index, 0)
+        if over or n:
+            tail = f"{n} op{'s' if n != 1 else ''} downstream inherit{'' if n != 1 else 's'} it" if n else ""
+            out.append("    overflow: " + "; ".join(x for x in (over, tail) if x))
         if r.suggestion:
             out.append(f"    fix: {r.suggestion}")
     return "\n".join(out)
@@ -62,18 +105,43 @@ def _flops(x: float) -> str:
     return f"{x:.0f}" if x else ""
 
 
-def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: str) -> str:
-    """Formats records as a fixed-width table followed by the summary."""
-    header = ("#", "op", "rule", "in before", "in after", "out before", "out after", "flops", "scope", "source")
+RULE_WIDTH = 32  # the rule column's cells are cut here (the row's ``detail`` and ``why`` keep the whole text)
+
+
+def _rule(r: OpRecord) -> str:
+    text = (f"{r.category}:{r.detail}" if r.detail else r.category) + (f" [{r.why}]" if r.why else "")
+    return text if len(text) <= RULE_WIDTH else text[: RULE_WIDTH - 3] + "..."
+
+
+def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: str, compared: bool = False) -> str:
+    """Formats records as a fixed-width table followed by the summary; ``compared``: with the columns
+    ``added`` (the error the op adds by itself) and ``error`` (of its outputs), ``!`` marking a row with a
+    fix and ``inf`` an overflow."""
+    records = list(records)
+    errors = ("added", "error") if compared else ()
+    header = (
+        "#",
+        "op",
+        "rule",
+        "in before",
+        "in after",
+        "out before",
+        "out after",
+        *errors,
+        "flops",
+        "scope",
+        "source",
+    )
     rows = [
         (
             str(r.index),
             r.op,
-            (f"{r.category}:{r.detail}" if r.detail else r.category) + (f" [{r.why}]" if r.why else ""),
+            _rule(r),
             _dtypes(r.in_before),
             _dtypes(r.in_after),
             _dtypes(r.out_before),
             _dtypes(r.out_after),
+            *((_short(r.added_error) + ("!" if r.suggestion else ""), _short(r.error)) if compared else ()),
             _flops(r.flops),
             r.scope,
             r.source,
@@ -94,8 +162,12 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
     )
     if summary.get("float8_flops"):
         out.append(f"{summary['float8_flop_share']:.1%} of flops in float8")
-    out += _by_rule(records)
+    out += [textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False) for line in _by_rule(records)]
     return "\n".join(out)
+
+
+def _short(x: float | None) -> str:
+    return "" if x is None else ("inf" if math.isinf(x) else format(x, ".1e"))
 
 
 def _by_rule(records: Iterable[OpRecord]) -> list[str]:

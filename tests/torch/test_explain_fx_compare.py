@@ -189,6 +189,10 @@ def test_float16_overflow_is_flagged_first():
     assert top.suggestion == 'rules=fmp.DEFAULT_RULES.derive(framework="torch", float32=["aten::mul.Tensor"])'
     downstream = [r for r in rep.records if r.nonfinite and r is not top]
     assert downstream and all(r.suggestion is None for r in downstream)  # they only inherit the inf
+    # the report states the overflow's size and folds the rows that inherit it into it
+    head = str(rep).split("\n\nfmp precision report", 1)[0]
+    assert top.ref_max > 65504 and f"|x| up to {top.ref_max:.1e}, float16 max 65504" in head
+    assert "downstream inherit" in head and head.count("NON-FINITE") == 1
 
 
 class _Loss(nn.Module):

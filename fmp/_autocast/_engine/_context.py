@@ -7,8 +7,9 @@ these helpers; this module imports no other part of the rewrite.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -90,6 +91,10 @@ class Context:
     # the traceback of the inline helper call whose body is being rewritten (its equations take it, as JAX's
     # inlining gives them); empty at the top level
     tracebacks: list[Any] = dataclasses.field(default_factory=list)
+    # the tracebacks of the (not inlined) jit calls whose bodies are being rewritten, innermost last: a body's
+    # equation whose own traceback holds no frame of the user's (it stops at the jit, e.g. inside
+    # jax.nn.log_softmax) takes the line of the call
+    callers: list[Any] = dataclasses.field(default_factory=list)
     # what to do with an equation: higher-order primitive -> handler; every other equation -> leaf
     handlers: Mapping[Any, Handler] = dataclasses.field(default_factory=dict)
     leaf: Leaf | None = None
@@ -145,8 +150,24 @@ def float_names(avals: Sequence[Any]) -> tuple[str, ...]:
 
 
 def source_of(eqn: JaxprEqn, ctx: Context) -> str:
-    """The user's source line of ``eqn`` (inside an inline helper: of the helper's call)."""
-    return _rows.source(eqn, ctx.tracebacks[-1] if ctx.tracebacks else None)
+    """The user's source line of ``eqn`` (inside an inline helper: of the helper's call; inside a jit body whose
+    equations have no line of the user's: of the innermost call that has one)."""
+    line = _rows.source(eqn, ctx.tracebacks[-1] if ctx.tracebacks else None)
+    for tb in reversed(ctx.callers):
+        if line:
+            break
+        line = _rows.source(eqn, tb)
+    return line
+
+
+@contextlib.contextmanager
+def calling(ctx: Context, eqn: JaxprEqn) -> Iterator[None]:
+    """Rewrites inside the body of the call ``eqn`` (see ``Context.callers``)."""
+    ctx.callers.append(eqn.source_info.traceback)
+    try:
+        yield
+    finally:
+        ctx.callers.pop()
 
 
 def record_eqn(

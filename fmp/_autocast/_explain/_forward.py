@@ -21,7 +21,7 @@ from jax.extend.core import primitives as core_prims
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
-from fmp._autocast._engine._context import Context, Handler
+from fmp._autocast._engine._context import Context, Handler, calling
 from fmp._autocast._engine._interp import bind, eval_jaxpr, rewrite_eqn
 from fmp._autocast._engine._provenance import is_inline_call
 from fmp._autocast._explain import _loops
@@ -187,7 +187,8 @@ def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     # what the rewrite does with a user's jit (its body rewritten for the current input dtypes), evaluated
     if is_inline_call(eqn):
         return helper_call(eqn, invals, ctx, scope)  # explain inlines helpers: evaluated in this trace
-    return _evaluated(eqn.params["jaxpr"], invals, ctx, scope)
+    with calling(ctx, eqn):
+        return _evaluated(eqn.params["jaxpr"], invals, ctx, scope)
 
 
 def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

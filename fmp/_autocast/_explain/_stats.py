@@ -76,7 +76,7 @@ class Deferred:
         """The statistics of ``outs`` against themselves: no error, nothing to fetch."""
         done = cls([], [])
         floats = any(value_kind(JAX_OPS.dtype_name(x)) == "float" for x in outs)
-        done.value = (0.0, float("inf"), 0.0, False, 0) if floats else combine([], 0)
+        done.value = (0.0, float("inf"), 0.0, False, 0, None) if floats else combine([], 0)
         return done
 
     def result(self) -> Stats:
@@ -134,24 +134,26 @@ _ON_DEVICE = 1 << 16  # elements from which the statistics run compiled, not in 
 
 @functools.partial(jax.jit, static_argnums=2)
 def _plain_sums(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
-    """Sums of squares of the reference and of the difference, and the largest difference: three reductions."""
+    """Sums of squares of the reference and of the difference, the largest difference and the largest
+    reference value: four reductions."""
     p, r = p.astype(wide), r.astype(wide)
     d = p - r
-    return jnp.sum(r * r), jnp.sum(d * d), jnp.max(jnp.abs(d), initial=0.0)
+    return jnp.sum(r * r), jnp.sum(d * d), jnp.max(jnp.abs(d), initial=0.0), jnp.max(jnp.abs(r), initial=0.0)
 
 
 def _plain(sums: Any, wide: Any) -> bool:
     """The plain sums are exact enough: every term finite, and each sum so large that the squares flushed
     below the smallest normal number cost it at most 2^-20 of itself."""
-    s_r, s_d, _ = (float(x) for x in sums)
+    s_r, s_d, _, _ = (float(x) for x in sums)
     low = float(jnp.finfo(wide).tiny) ** 0.625
     return math.isfinite(s_r) and math.isfinite(s_d) and s_r >= low and (s_d == 0.0 or s_d >= low)
 
 
-def _from_sums(s_r: Any, s_d: Any, d_max: Any) -> tuple[Any, ...]:
+def _from_sums(s_r: Any, s_d: Any, d_max: Any, r_max: Any) -> tuple[Any, ...]:
     """The plain sums in ``array_parts``' form (sums scaled by the largest value)."""
-    d_max = float(d_max)
-    return 1.0, float(s_r), d_max, float(s_d) / (d_max * d_max) if d_max > 0 else 0.0, False, False
+    d_max, r_max = float(d_max), float(r_max)
+    r_sq = float(s_r) / (r_max * r_max) if r_max > 0 else 0.0
+    return r_max, r_sq, d_max, float(s_d) / (d_max * d_max) if d_max > 0 else 0.0, False, False
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -27,7 +27,15 @@ from jax.extend.core.primitives import (
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
-from fmp._autocast._engine._context import Context, Handler, aval_of, dtype_name, is_castable, like_avals
+from fmp._autocast._engine._context import (
+    Context,
+    Handler,
+    aval_of,
+    calling,
+    dtype_name,
+    is_castable,
+    like_avals,
+)
 from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, transform_closed
 from fmp._autocast._engine._provenance import is_inline_call
 from fmp._autocast._hops import _calls, _float8_rows
@@ -51,8 +59,9 @@ def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
         return helper_call(eqn, invals, ctx, scope)
     closed: ClosedJaxpr = eqn.params["jaxpr"]
     avals = like_avals(closed.in_avals, invals)
-    ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
-    new = transform_closed(closed, avals, ctx, scope, rows=rows)
+    with calling(ctx, eqn):
+        ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
+        new = transform_closed(closed, avals, ctx, scope, rows=rows)
     if block is None:
         return bind(eqn, invals, dict(eqn.params, jaxpr=new))
     return bind(eqn, [*invals, block], _jax_internals.jit_params_with_input(dict(eqn.params, jaxpr=new)))
