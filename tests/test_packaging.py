@@ -269,13 +269,26 @@ def test_pyproject_claims_only_what_is_tested():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     import jax
     from packaging.requirements import Requirement
+    from packaging.version import Version
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = {r.name: r for r in map(Requirement, project["dependencies"])}
-    # the JAX range is the minor version tested here, and it holds the installed one
-    for name in ("jax", "jaxlib"):
-        assert reqs[name].specifier.contains(jax.__version__), (name, jax.__version__)
-        assert not reqs[name].specifier.contains("0.11.0"), f"{name}: 0.11 is untested"
+    # the JAX range runs from the oldest version that CI pins (.ci/constraints-py3.*.txt) to the newest pinned
+    # minor version, and it holds the installed one
+    pinned = {
+        name: sorted(
+            (Version(v) for f in (ROOT / ".ci").glob("constraints-py3.*.txt")
+             for v in re.findall(rf"^{name}==(\S+)$", f.read_text(), re.M)),
+        )  # fmt: skip
+        for name in ("jax", "jaxlib")
+    }
+    for name, versions in pinned.items():
+        assert len(versions) == 3, (name, versions)  # one per Python version that CI runs
+        spec = reqs[name].specifier
+        assert spec.contains(jax.__version__) and all(spec.contains(v) for v in versions), (name, spec, versions)
+        assert not spec.contains(f"{versions[0].major}.{versions[0].minor}.{versions[0].micro - 1}"), (name, spec)
+        newest = versions[-1]
+        assert not spec.contains(f"{newest.major}.{newest.minor + 1}.0"), f"{name}: {spec} claims an untested minor"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     versions = [
         c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
