@@ -1,4 +1,12 @@
-"""Test configuration: strict dtype promotion, markers, GPU skipping, shared fixtures."""
+"""Test configuration: strict dtype promotion, markers, GPU skipping, shared fixtures.
+
+The suite runs in parallel with pytest-xdist (``python -m pytest -n auto``; ``--dist loadgroup`` is in
+pyproject.toml's addopts). Tests are independent (each worker is its own process with its own temporary folders,
+subprocesses get their own environment) except those marked ``xdist_group("processes")``: they start processes
+that meet on a localhost port (jax.distributed, torch.distributed gloo, examples/multiprocess.py), and the
+session or module fixtures that launch them run once per worker. One worker runs that whole group, one launch
+at a time, so no two launches race for a port, starve each other past a collective's timeout or run twice.
+"""
 
 from __future__ import annotations
 
@@ -60,3 +68,20 @@ def _strict_promotion():
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     yield
     assert jax.config.jax_numpy_dtype_promotion == "strict", "a test left dtype promotion relaxed"
+
+
+_MSG_GROUP_LOST = (
+    "pytest-xdist did not keep this test's xdist_group: with this pytest and pytest-xdist its processes could run "
+    "on both workers at once. Install the versions that the dev extra allows (pip install -e '.[dev]') or run "
+    "without -n."
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under ``--dist loadgroup`` pytest-xdist tags a grouped test's id with ``@group``; pytest-xdist 3.8 under
+    pytest 9.2 drops the tag, and the groups, without a word. Such a test fails here, before its fixtures start
+    any process."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group"):
+        if "@" not in item.nodeid:
+            pytest.fail(_MSG_GROUP_LOST, pytrace=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import concurrent.futures
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -23,8 +24,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-# The default-suite runs: script and arguments. They all start on first use, two at a time (much of each
-# run is single-threaded import and compile time), and each test reads its own run's output.
+# The default-suite runs: script and arguments. In a plain pytest run, the runs that the selected tests read all
+# start on first use, two at a time (much of each run is single-threaded import and compile time); under
+# pytest-xdist each run starts when its test asks for it (the workers are the parallelism, and a worker that
+# started every run would repeat the other worker's). Each test reads its own run's output.
 FAST = {
     "loss_function": ("loss_function.py", "--fast"),
     "optax_chain": ("optax_chain.py", "--fast"),
@@ -44,23 +47,48 @@ FAST = {
 _TORCH_RUNS = {"torch_facade", "torch_fx", "apex_migration", "migration/torch_amp", "migration/apex", "migration/torchao"}
 _futures: dict[str, concurrent.futures.Future] = {}
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+_prefetch: list[str] = []  # the runs to start on first use
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _stop_pending_runs():
+def _stop_pending_runs(request):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _prefetch[:] = _runs_read_by(request.session.items)
     yield
-    _pool.shutdown(wait=True, cancel_futures=True)  # a -k selection does not run every example
+    for future in _futures.values():  # a run that did not start is not kept as cancelled
+        future.cancel()
+    concurrent.futures.wait(_futures.values())
+    for name in [n for n, f in _futures.items() if f.cancelled()]:
+        del _futures[name]
+
+
+def _runs_read_by(items: list[pytest.Item]) -> list[str]:
+    """The runs that the selected tests of this module read with ``_out("name")`` (a gallery run reads one)."""
+    module = sys.modules[__name__]
+    names = [
+        name
+        for item in items
+        if isinstance(item, pytest.Function) and item.module is module
+        for name in re.findall(r'_out\("([^"]+)"', inspect.getsource(item.function))
+    ]
+    return list(dict.fromkeys(names))
+
+
+def _start(name: str, timeout: float) -> concurrent.futures.Future:
+    if name.startswith("migration/"):
+        return _pool.submit(_run_migration, name.removeprefix("migration/"), timeout=timeout)
+    script, *args = FAST[name]
+    return _pool.submit(_run, script, *args, timeout=timeout)
 
 
 def _out(name: str, timeout: float = 300) -> str:
     if not _futures:
         has_torch = _has_torch()
-        for key, (script, *args) in FAST.items():
+        for key in _prefetch:
             if has_torch or key not in _TORCH_RUNS:
-                _futures[key] = _pool.submit(_run, script, *args, timeout=timeout)
-        for key in MIGRATIONS:
-            if has_torch or f"migration/{key}" not in _TORCH_RUNS:
-                _futures[f"migration/{key}"] = _pool.submit(_run_migration, key, timeout=timeout)
+                _futures[key] = _start(key, timeout)
+    if name not in _futures:
+        _futures[name] = _start(name, timeout)
     return _futures[name].result()
 
 
@@ -239,6 +267,7 @@ def test_apex_migration():
     assert float(first) < 10 and float(last) < 10
 
 
+@pytest.mark.xdist_group("examples-main")  # both read one run of main.py
 def test_main_fast_float16_scaling_matches_float32():
     out = _out("main")
     assert "share of FLOPs in float16: 100.0%" in out
@@ -250,6 +279,7 @@ def test_main_fast_float16_scaling_matches_float32():
     _assert_no_negative_loss(out)
 
 
+@pytest.mark.xdist_group("examples-main")  # both read one run of main.py
 def test_main_reports_what_mixed_precision_saves():
     """The cost table reads the compiled step; the plotted loss scale ends at the printed final scale."""
     out = _out("main")
@@ -323,6 +353,7 @@ def test_accumulation():
 
 
 @pytest.mark.gallery
+@pytest.mark.xdist_group("processes")  # see tests/conftest.py
 def test_multiprocess():
     """2 local processes per run (JAX, torch DDP, torch FSDP2); process 1 alone feeds an inf at step 5."""
     out = _run("multiprocess.py", "--fast", timeout=500)

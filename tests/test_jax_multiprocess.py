@@ -20,6 +20,8 @@ from tests.helpers import ROOT, free_port, run_processes
 pytest.importorskip("optax")
 pytest.importorskip("orbax.checkpoint")
 
+pytestmark = pytest.mark.xdist_group("processes")  # see tests/conftest.py
+
 NPROC = 2
 WORKER = ROOT / "tests" / "_jax_multiprocess_worker.py"
 

@@ -272,16 +272,26 @@ def test_pyproject_claims_only_what_is_tested():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     import jax
     from packaging.requirements import Requirement
+    from packaging.version import Version
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = {r.name: r for r in map(Requirement, project["dependencies"])}
-    # the JAX range is the releases CI tests (0.10.2, 0.11.2, 0.12.0.1: docs/installation.md), up to the newest
-    # tested minor version, and it holds the installed one
-    for name in ("jax", "jaxlib"):
+    # the JAX range runs from the oldest version that CI pins (.ci/constraints-py3.*.txt) to the newest pinned
+    # minor version, and it holds the installed one
+    pinned = {
+        name: sorted(
+            (Version(v) for f in (ROOT / ".ci").glob("constraints-py3.*.txt")
+             for v in re.findall(rf"^{name}==(\S+)$", f.read_text(), re.M)),
+        )  # fmt: skip
+        for name in ("jax", "jaxlib")
+    }
+    for name, versions in pinned.items():
+        assert len(versions) == 3, (name, versions)  # one per Python version that CI runs
         spec = reqs[name].specifier
-        assert spec.contains(jax.__version__), (name, jax.__version__)
-        assert all(spec.contains(v) for v in ("0.10.2", "0.11.2", "0.12.0.1")), (name, spec)
-        assert not any(spec.contains(v) for v in ("0.10.1", "0.13.0")), f"{name}: {spec} claims an untested release"
+        assert spec.contains(jax.__version__) and all(spec.contains(v) for v in versions), (name, spec, versions)
+        assert not spec.contains(f"{versions[0].major}.{versions[0].minor}.{versions[0].micro - 1}"), (name, spec)
+        newest = versions[-1]
+        assert not spec.contains(f"{newest.major}.{newest.minor + 1}.0"), f"{name}: {spec} claims an untested minor"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     versions = [
         c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")
@@ -396,11 +406,11 @@ def test_tested_versions_table_matches_ci_and_the_claims():
     assert lowest["jax"] == lowest["jaxlib"] == first["jax"]
     assert first["numpy"].startswith(lowest["numpy"] + ".")
     assert (lowest["flax"], lowest["optax"]) == (first["flax"], first["optax"])
-    # each row is what CI pins for that Python (.ci/constraints.txt for the main run, then one file per venv)
+    # each row is what CI pins for that Python's venv (.ci/constraints-py3.1x.txt)
     for python, cells in table.items():
-        name = "constraints.txt" if python == "3.11" else f"constraints-{python}.txt"
+        name = f"constraints-py{python}.txt"
         pins = dict(re.findall(r"^([\w-]+)==(\S+)$", (ROOT / ".ci" / name).read_text(), re.M))
         row = dict(zip(("jax", "numpy", "flax", "optax"), cells, strict=False))
         assert {k: pins.get(k) for k in row} == row, (python, name)
         assert pins["jaxlib"] == pins["jax"], name
-    assert 'PIP_CONSTRAINT="$PWD/.ci/constraints-$1.txt"' in ci
+    assert 'export PIP_CONSTRAINT="$root/.ci/constraints-py$1.txt"' in ci

@@ -9,7 +9,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("torchao")
 
-pytestmark = pytest.mark.gallery  # CI runs the gallery as its second step
+pytestmark = [
+    pytest.mark.gallery,  # CI runs the gallery as its second step
+    pytest.mark.xdist_group("processes"),  # see tests/conftest.py
+]
 
 CASES = [f"{w}-{s}" for w in ("ddp", "fsdp2", "fsdp2_per_layer") for s in ("tensorwise", "rowwise")]
 

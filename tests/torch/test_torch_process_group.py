@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+pytestmark = pytest.mark.xdist_group("processes")  # see tests/conftest.py
+
 
 def test_found_inf_is_reduced_over_the_group(dist_results):
     r0, r1 = (r["group"] for r in dist_results)

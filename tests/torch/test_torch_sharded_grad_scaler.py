@@ -287,6 +287,7 @@ def _torch_is_right(name: str) -> bool:
     return opt_name != "adam_fused_unscale"  # torch's fails there (a (1,) flag against () step counts)
 
 
+@pytest.mark.xdist_group("processes")  # see tests/conftest.py
 def test_fsdp_matrix_matches_torch_bitwise(dist_results):
     r0s, r1s = (r["sharded"] for r in dist_results)
     assert r0s.keys() == r1s.keys()
