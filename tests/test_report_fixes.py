@@ -110,3 +110,40 @@ def test_every_overflow_in_one_pass_with_its_size_and_the_rows_that_inherit_it()
     inheriting = [r for r in rep.records if r.nonfinite and r.suggestion is None]
     assert inheriting and not any(f"\n#{r.index} " in head for r in inheriting)
     assert rep.worst(2) == tuple(rep.needs_fix)
+
+
+def _attention(params, x):
+    """One head whose scores are not scaled, on large activations: float16 rounds scores of ~1e3 to a unit,
+    and the softmax's ``exp`` turns that into a large error."""
+    with jax.named_scope("attn"):
+        q = x @ params["q"]
+        k = x @ params["k"]
+        v = x @ params["v"]
+        scores = q @ k.T
+        probs = jax.nn.softmax(scores)  # a line of its own: a location key selects every op of its line
+        return probs @ v
+
+
+def _attention_inputs():
+    k = jax.random.split(jax.random.PRNGKey(1), 4)
+    params = {n: jax.random.normal(key, (64, 64)) / 8.0 for n, key in zip("qkv", k[:3], strict=True)}
+    return params, 8.0 * jax.random.normal(k[3], (64, 64))
+
+
+def test_a_magnified_error_is_one_fix_for_every_rounding_it_is_made_of():
+    params, x = _attention_inputs()
+    rep = fmp.explain(_attention, "mixed_float16", compare=True)(params, x)
+    (row,) = rep.needs_fix  # the softmax's exp; the sum and the division after it only inherit its error
+    assert row.op == "exp" and row.added_error == 0.0 and row.error > 16 * 2**-11
+    rows = {r.index: r for r in rep.records}
+    charged = [rows[i] for i in row.culprits]
+    # every rounding exp magnifies: the q and k products, the scores, the subtraction of the maximum
+    assert [r.op for r in charged] == ["dot_general", "dot_general", "dot_general", "sub"]
+    # local: the scope "attn" also holds v's matmul, so each key is a source line, never "attn"
+    keys = rep.suggested()["overrides"]
+    assert len(keys) == 4 and all(is_location(k) for k in keys)
+    fixed = fmp.explain(_attention, "mixed_float16", compare=True, **rep.suggested())(params, x)
+    assert fixed.needs_fix == []
+    matmuls = [r for r in fixed.records if r.op == "dot_general"]
+    # q, k and the scores run in float32; v and p @ v stay in float16
+    assert [r.out_after[0] for r in matmuls] == ["float32", "float32", "float16", "float32", "float16"]

@@ -36,13 +36,15 @@ def needs_fix(row: OpRecord) -> bool:
     return not math.isfinite(row.added_error) or row.added_error > FAR * unit_roundoff(row)
 
 
-def amplified(row: OpRecord, producers: Sequence[OpRecord] = ()) -> bool:
+def amplified(row: OpRecord, producers: Sequence[OpRecord] = (), inputs: Sequence[OpRecord] = ()) -> bool:
     """The op's output error is far above its dtype's roundoff and ``AMPLIFIED`` times the error of the rows
-    that rounded its inputs (``producers``) and its own: an ill-conditioned op (``cos`` of a large angle, a
-    cancelling subtraction) that magnifies a small rounding of its inputs."""
+    that rounded its inputs (``producers``), of the rows that made its inputs (``inputs``) and its own: an
+    ill-conditioned op (``cos`` of a large angle, a cancelling subtraction) that magnifies a small rounding of
+    its inputs. An op after it (the sum of a softmax's ``exp``) inherits the magnified error from its inputs:
+    it is not amplified itself."""
     if not row.error or not producers or not math.isfinite(row.error):
         return False
-    inherited = max((p.error or 0.0) for p in producers)
+    inherited = max((p.error or 0.0) for p in (*producers, *inputs))
     own = row.added_error or 0.0
     return row.error > FAR * unit_roundoff(row) and row.error > AMPLIFIED * max(inherited, own)
 
@@ -65,11 +67,16 @@ def rounds_down(row: OpRecord) -> bool:
 
 
 def charged(
-    start: Iterable[Hashable], inputs: Callable[[Any], Iterable[Hashable]], row: Callable[[Any], OpRecord | None]
+    start: Iterable[Hashable],
+    inputs: Callable[[Any], Iterable[Hashable]],
+    row: Callable[[Any], OpRecord | None],
+    through: bool = False,
 ) -> list[OpRecord] | None:
     """The rows an op's inherited error is charged to: the nearest rows upstream that rounded values to a
     low-precision dtype (``rounds_down``), found from the op's inputs ``start`` through every other node
     (float32 ops, ops that round nothing, nodes without a row) up to ``WALK`` steps; in program order.
+    ``through``: also past such a row whose inputs already carried error (its ``error`` above its
+    ``added_error``) to the rows that rounded those: every rounding an amplified error is made of.
 
     ``None`` when a row reached has flips itself: the error comes from a discrete op upstream, whose own
     row names the fix. ``inputs(node)``: the nodes it reads; ``row(node)``: its compared row, or ``None``.
@@ -88,38 +95,50 @@ def charged(
                 return None
             if made is not None and rounds_down(made):
                 found[made.index] = made
+                if through and (made.error or 0.0) > (made.added_error or 0.0):
+                    upstream += inputs(node)
             else:
                 upstream += inputs(node)
         frontier = upstream
     return [found[i] for i in sorted(found)]
 
 
-def suggestion(
-    row: OpRecord, rules: RuleSet, producers: Sequence[OpRecord] | None = (), framework: str = "jax"
-) -> str | None:
-    """The fix of ``row`` (``fix_code``), or ``None``.
+def culprits(
+    row: OpRecord, producers: Sequence[OpRecord] | None = (), inputs: Sequence[OpRecord] = ()
+) -> list[OpRecord]:
+    """The rows a fix of ``row`` runs in float32, ``[]`` when it needs none.
 
     A discrete op whose outputs changed, or an op that magnifies its inputs' small error (``amplified``), is
     fixed where its inputs lost their precision: ``producers``, the rows ``charged`` with it (empty when the
     op rounded its inputs down itself; ``None`` when flips upstream made them), are named when they ran in
     low precision; with none, the flips are inherited. Any other op is fixed where its own error is large.
+    ``inputs``: the rows that made its inputs (an error they already had is not magnified by ``row``).
     """
     if producers is None:  # flips upstream: a discrete op's changed outputs are theirs
         if row.flips:
-            return None
+            return []
         producers = ()
-    culprits = [row]
     low = [p for p in producers if any(n in LOW for n in p.out_after)]
     if row.flips:
         rounds_itself = not producers and any(n in LOW for n in row.in_after)
         if not (low or rounds_itself):
-            return None
-        culprits = low or [row]
-    elif low and amplified(row, producers):
-        culprits = low
-    elif not needs_fix(row):
-        return None
-    return fix_code(culprits, rules, framework)
+            return []
+        return low or [row]
+    if low and amplified(row, producers, inputs):
+        return low
+    return [row] if needs_fix(row) else []
+
+
+def suggestion(
+    row: OpRecord,
+    rules: RuleSet,
+    producers: Sequence[OpRecord] | None = (),
+    framework: str = "jax",
+    inputs: Sequence[OpRecord] = (),
+) -> str | None:
+    """The fix of ``row`` (``fix_code`` of its ``culprits``), or ``None``."""
+    found = culprits(row, producers, inputs)
+    return fix_code(found, rules, framework) if found else None
 
 
 def fill(
@@ -127,16 +146,23 @@ def fill(
     stats: Stats,
     added_error: Any,
     rules: RuleSet,
-    upstream: Callable[[], list[OpRecord] | None] | None = None,
+    upstream: Callable[..., list[OpRecord] | None] | None = None,
     framework: str = "jax",
+    inputs: Sequence[OpRecord] = (),
 ) -> OpRecord:
     """``row`` with its statistics (``stats``: of its outputs against the reference; ``added_error``: its own)
-    and its fix. ``upstream()`` gives the rows ``charged`` with an inherited error (asked only where the row
-    may have inherited it); ``None`` when the op rounded its inputs down itself."""
+    and its fix (``suggestion``, and the rows it runs in float32: ``culprits``). ``upstream(through=False)`` gives the
+    rows ``charged`` with an inherited error (asked only where the row may have inherited it); ``None`` when
+    the op rounded its inputs down itself. ``inputs``: the compared rows that made the op's inputs."""
     row = with_stats(row, stats, added_error)
     producers = upstream() if upstream is not None and may_inherit(row) else ()
-    fix = suggestion(row, rules, producers, framework)
-    return dataclasses.replace(row, suggestion=fix) if fix else row
+    found = culprits(row, producers, inputs)
+    if producers and not row.flips and found != [row] and found:  # amplified: every rounding it magnifies
+        found = culprits(row, upstream(through=True), inputs)  # type: ignore[misc]
+    if not found:
+        return row
+    fix = fix_code(found, rules, framework)
+    return dataclasses.replace(row, suggestion=fix, culprits=tuple(c.index for c in found))
 
 
 def backward_suggestion(row: OpRecord, forward: Sequence[OpRecord], rules: RuleSet) -> str | None:
@@ -145,7 +171,7 @@ def backward_suggestion(row: OpRecord, forward: Sequence[OpRecord], rules: RuleS
     the dtypes its forward op's rule gave it; ``None`` where the line is unknown."""
     if not (row.nonfinite or needs_fix(row)) or not row.source_full:
         return None
-    culprits = [
+    rows = [
         f
         for f in forward
         if f.source_full == row.source_full
@@ -153,4 +179,4 @@ def backward_suggestion(row: OpRecord, forward: Sequence[OpRecord], rules: RuleS
         and f.category not in ("cast", "user_cast")
         and any(n in LOW for n in f.out_after)
     ]
-    return fix_code(culprits, rules) if culprits else None
+    return fix_code(rows, rules) if rows else None

@@ -12,6 +12,7 @@ Framework-neutral: imports neither jax nor torch.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -143,3 +144,45 @@ def combined(suggestions: Iterable[str]) -> dict[str, Any]:
     if rule_sets:
         out["rules"] = _merge_rules(rule_sets)
     return out
+
+
+def _under(scope: str, key: str) -> bool:
+    """``scope`` is ``key`` or lies inside it (a JAX name scope ``a/b``, a torch module path ``a.b``)."""
+    return scope == key or scope.startswith((f"{key}/", f"{key}."))
+
+
+def _crowded(key: str, records: Sequence[OpRecord], culprits: set[int]) -> bool:
+    """An override of scope ``key`` would also move a low-precision matmul or convolution that no fix names."""
+    return any(
+        r.index not in culprits
+        and r.flops > 0
+        and r.category not in ("cast", "user_cast")
+        and any(n in ("bfloat16", "float16") or n.startswith("float8") for n in r.out_after + r.in_after)
+        and _under(r.scope, key)
+        for r in records
+    )
+
+
+def localised(records: Sequence[OpRecord]) -> tuple[OpRecord, ...]:
+    """``records`` with each fix kept local: where a culprit's scope also holds a low-precision matmul or
+    convolution that no fix of the report names (the scope is a whole model or block, ``"Attention"`` around
+    its ``q``/``k``/``v`` layers), its override key becomes the culprit's source location, so the fix moves
+    the culprit and not the matmuls beside it. Rows without a source location keep their scope."""
+    index = {r.index: r for r in records}
+    named = {i for r in records if r.suggestion for i in r.culprits}
+    out = []
+    for r in records:
+        if not (r.suggestion and r.culprits and r.suggestion.startswith("overrides={")):
+            out.append(r)
+            continue
+        keys: list[str] = []
+        for c in (index[i] for i in r.culprits if i in index):
+            key = c.scope or location_key(c)
+            if c.scope and _crowded(c.scope, records, named) and location_key(c):
+                key = location_key(c)
+            if key:
+                keys.append(key)
+        end = r.suggestion.index("}") + 1  # the overrides dict (keys hold no "}"), then any rules= part
+        text = "overrides={" + ", ".join(f'"{k}": "float32"' for k in dict.fromkeys(keys)) + "}"
+        out.append(dataclasses.replace(r, suggestion=text + r.suggestion[end:]) if keys else r)
+    return tuple(out)

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any
 
-from fmp._report._fixes import combined
+from fmp._report._fixes import combined, localised
 from fmp._report._grads import GradReport, format_grads
 from fmp._report._text import format_table, format_worst, inherited, inherits, worst_rows
 from fmp._report._verdict import fix_rows, verdict
@@ -69,6 +69,9 @@ class OpRecord:
         subnormal, which fmp's casts flush to zero); else ``None``.
       ref_max: With ``compare=True``: the largest finite ``|value|`` of the op's floating outputs in the
         program as written (an overflow row sets it against its dtype's largest value); else ``None``.
+      culprits: The ``index`` of each row ``suggestion`` runs in float32 (the row itself, or the rows
+        upstream that rounded the inputs it magnified or whose changed values flipped it); ``()`` without
+        a suggestion.
     """
 
     index: int
@@ -96,6 +99,7 @@ class OpRecord:
     iterations: int = 1
     underflow: float | None = None
     ref_max: float | None = None
+    culprits: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,6 +142,10 @@ class Report:
     framework: str
     compared: bool = False
     grads: GradReport | None = None
+
+    def __post_init__(self) -> None:
+        if self.compared:  # each fix moves its culprits and no matmul beside them
+            object.__setattr__(self, "records", localised(self.records))
 
     def worst(self, k: int = 10, *, grads: bool = False) -> tuple[OpRecord, ...]:
         """The ``k`` worst compared rows: rows with non-finite values first, then rows with a suggested fix,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -117,7 +118,11 @@ def test_planted_softmax_in_bfloat16_ranks_first_and_the_suggestion_fixes_it():
     rep = fmp.torch.explain_fx(model, (x,), CPU, rules=SOFTMAX_BF16, compare=True)
     top = rep.worst(1)[0]
     assert top.op == "aten::softmax.int" and top.scope == "attn" and top.added_error > 4 * 2**-8
-    assert top.suggestion == 'overrides={"attn": "float32"}'
+    # the softmax's own line: the attn scope also holds the q, k, v matmuls, which stay in bfloat16
+    line = top.source.split(" (")[0]
+    src, start = inspect.getsourcelines(_Attention.forward)
+    softmax_line = start + next(i for i, text in enumerate(src) if "torch.softmax" in text)
+    assert line.endswith(f".py:{softmax_line}") and top.suggestion == f'overrides={{"{line}": "float32"}}'
     assert all(r.suggestion is None for r in rep.records if r is not top)
     text = str(rep)
     assert text.index("aten::softmax.int") < text.index("fmp precision report") and "fix: overrides=" in text
@@ -125,6 +130,8 @@ def test_planted_softmax_in_bfloat16_ranks_first_and_the_suggestion_fixes_it():
     fixed = fmp.torch.explain_fx(model, (x,), CPU, rules=SOFTMAX_BF16, compare=True, **fix)
     (softmax,) = [r for r in fixed.records if r.op == "aten::softmax.int"]
     assert softmax.category == "override" and softmax.added_error == 0.0 and softmax.out_after == ("float32",)
+    linears = [r for r in fixed.records if r.scope.startswith("attn.") and r.op.startswith("aten::linear")]
+    assert len(linears) == 3 and all(r.out_after == ("bfloat16",) for r in linears)
     want = model(x)
     broken = fmp.torch.autocast_fx(model, (x,), CPU, rules=SOFTMAX_BF16)(x)
     repaired = fmp.torch.autocast_fx(model, (x,), CPU, rules=SOFTMAX_BF16, **fix)(x)

@@ -146,10 +146,12 @@ class Comparison:
         records = self.ctx.records if self.ctx.records is not None else []
         for i, out, alone, down in jobs:  # in program order: the rows upstream of one are filled before it
 
-            def upstream(i: int = i) -> list[Any] | None:
-                return charged(self.makers.get(i, ()), lambda k: self.makers.get(k, ()), records.__getitem__)
+            def upstream(i: int = i, through: bool = False) -> list[Any] | None:
+                return charged(self.makers.get(i, ()), lambda n: self.makers.get(n, ()), records.__getitem__, through)
 
-            records[i] = fill(records[i], out.result(), alone.result()[0], self.ctx.rules, None if down else upstream)
+            made = [records[k] for k in self.makers.get(i, ())]
+            up = None if down else upstream
+            records[i] = fill(records[i], out.result(), alone.result()[0], self.ctx.rules, up, inputs=made)
 
 
 def _last_uses(jaxpr: Jaxpr) -> dict[int, list[Any]]:

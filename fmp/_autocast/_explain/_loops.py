@@ -232,7 +232,10 @@ def _charge_carry(
             continue  # the op does not round the carry: its error is made upstream, where those rows show it
         if err > max(row.added_error, 2.0 * inputs_error):
             row = dataclasses.replace(row, added_error=err, detail=_join(row.detail, "compounded through the carry"))
-            records[i] = dataclasses.replace(row, suggestion=suggestion(row, ctx.rules) or row.suggestion)
+            fix = suggestion(row, ctx.rules)
+            if fix:  # the op itself rounds the carry: it is the culprit
+                row = dataclasses.replace(row, suggestion=fix, culprits=(row.index,))
+            records[i] = row
 
 
 def _join(a: str, b: str) -> str:

@@ -260,7 +260,8 @@ def compare(
             upstream = functools.partial(charged, b.all_input_nodes, _inputs, row_at)
             added = output_stats(alone, baseline)[0] if alone is not None and baseline is not None else None
             stats = output_stats(pol.env[n], ref.env[b])
-            rows[row_of[n]] = fill(rows[row_of[n]], stats, added, rules, None if down else upstream, "torch")
+            made = [r for a in b.all_input_nodes if (r := row_at(a)) is not None]
+            rows[row_of[n]] = fill(rows[row_of[n]], stats, added, rules, None if down else upstream, "torch", made)
     return rows
 
 
