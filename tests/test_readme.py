@@ -67,7 +67,8 @@ def test_readme_python_snippets_run_as_written(capsys):
     import fmp
 
     blocks = _python_blocks()
-    assert len(blocks) == 3, f"expected the three usage snippets, found {len(blocks)}"
+    # the three usage snippets, then the debugger's (run by tests/test_first_page.py, saved as model.py)
+    assert len(blocks) == 4 and "fmp.explain(" in blocks[3], f"expected four snippets, found {len(blocks)}"
     # the snippets are what users write, under JAX's default (standard) promotion; optax.adamw is not
     # clean under the suite's strict promotion
     with jax.numpy_dtype_promotion("standard"):

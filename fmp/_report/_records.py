@@ -167,6 +167,24 @@ class Report:
             raise ValueError("Report.needs_fix needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
         return fix_rows(self.records)
 
+    @property
+    def verdict(self) -> str:
+        """What ``str(report)`` opens with: ``no op needs a fix`` or ``N op(s) need(s) a fix``, with the unit
+        roundoff of the policy's compute dtype and the threshold an op's own error is held to.
+
+        Raises:
+          ValueError: The report has no errors (``compare=True`` missing).
+
+        Examples:
+          >>> rep = fmp.explain(lambda x: jnp.tanh(x @ x.T), "mixed_bfloat16", compare=True)(jnp.ones((4, 8)))
+          >>> print(rep.verdict)
+          no op needs a fix (bfloat16 unit roundoff u = 3.9e-03; a fix is due where an op overflows, flips
+            discrete outputs or adds an error above 4u = 1.6e-02)
+        """
+        if not self.compared:
+            raise ValueError("Report.verdict needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
+        return verdict(self.records, self.policy)
+
     def suggested(self) -> dict[str, Any]:
         """The keyword arguments (``overrides=``, ``rules=``) that apply every suggestion of ``needs_fix`` at
         once; ``{}`` when no op needs a fix. A ``rules=`` entry holds the rules the report ran under (spelled

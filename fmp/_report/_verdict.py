@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,16 +40,17 @@ def compute_dtype(policy: str) -> str:
 
 
 def verdict(records: Iterable[OpRecord], policy: str) -> str:
-    """The first line of a compared report: how many ops need a fix, the unit roundoff ``u`` of the policy's
+    """The verdict ``str(report)`` opens with (wrapped at 100 columns): how many ops need a fix, the unit roundoff ``u`` of the policy's
     compute dtype, and the threshold an op's own error is held to."""
     n = len(fix_rows(records))
     head = "no op needs a fix" if n == 0 else f"{n} op{'s' if n > 1 else ''} need{'' if n > 1 else 's'} a fix"
     name = compute_dtype(policy)
     u = UNIT_ROUNDOFF[name]
-    return (
+    text = (
         f"{head} ({name} unit roundoff u = {u:.1e}; a fix is due where an op overflows, flips discrete "
         f"outputs or adds an error above {FAR:g}u = {FAR * u:.1e})"
     )
+    return textwrap.fill(text, 100, subsequent_indent="  ")
 
 
 def _where(r: OpRecord) -> str:
