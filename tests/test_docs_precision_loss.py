@@ -83,7 +83,7 @@ def _blocks(text: str) -> list[tuple[str, list[float]]]:
 def test_the_page_shows_what_the_example_writes(page, name, key):
     """Regenerate with ``python examples/precision_loss.py --out docs/assets`` when this fails."""
     result, out = page
-    assert f'--8<-- "docs/assets/{name}"' in PAGE.read_text()
+    assert f"<!-- from: docs/assets/{name} -->" in PAGE.read_text()
     shown, now = _blocks((ASSETS / name).read_text()), _blocks((out / name).read_text())
     assert len(shown) == len(now) and shown[0][0] == now[0][0]  # the head's title (and the loss errors)
     assert all(math.isclose(x, y, rel_tol=0.5) for x, y in zip(shown[0][1], now[0][1], strict=True))

@@ -1,4 +1,4 @@
-"""Code in the docs fits the page: no line over 100 characters, includes and generated diffs counted."""
+"""Code in the docs fits the page: no line over 100 characters, copies of examples and diffs counted."""
 
 from __future__ import annotations
 
@@ -21,16 +21,14 @@ def _hook(name: str):
 @pytest.fixture(scope="module")
 def hooks():
     pytest.importorskip("mkdocs")
-    config = (ROOT / "mkdocs.yml").read_text()
-    # the width check runs on the page with its diffs already generated
-    assert config.index("docs/hooks/diffs.py") < config.index("docs/hooks/code_width.py")
+    assert "docs/hooks/code_width.py" in (ROOT / "mkdocs.yml").read_text()
     return _hook("diffs"), _hook("code_width")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_lines_fit_the_page(page, hooks):
-    diffs, width = hooks
-    long = width.long_lines(diffs.render(page.read_text(), ROOT), ROOT)
+    _, width = hooks
+    long = width.long_lines(page.read_text(), ROOT)  # diffs and copies of examples are written into the page
     assert not long, f"{page.relative_to(ROOT)}: code lines over {width.MAX} characters:\n" + "\n".join(long)
 
 
@@ -53,7 +51,8 @@ MIGRATIONS = {"torch-amp": "torch_amp", "jmp": "jmp", "flax": "flax", "apex": "a
 
 @pytest.mark.parametrize("page", MIGRATIONS)
 def test_migration_page_shows_the_change_as_a_diff_of_the_examples(page, hooks):
-    """The diff is generated from the example files at build time; the full files sit in collapsed blocks."""
+    """The page holds the diff of the example files (tests/test_docs_synced.py keeps it current); the full
+    files sit in collapsed blocks."""
     import difflib
 
     diffs, _ = hooks
@@ -61,9 +60,9 @@ def test_migration_page_shows_the_change_as_a_diff_of_the_examples(page, hooks):
     before, after = (f"examples/migration/{MIGRATIONS[page]}_{part}.py" for part in ("before", "after"))
     assert f"<!-- diff: {before} {after} -->" in text
     for path in (before, after):
-        assert f'??? "Full file: `{path}`"\n\n    ```python\n    --8<-- "{path}"\n    ```' in text
-        assert text.count(f'--8<-- "{path}"') == 1  # not also shown open
-    shown = diffs.render(text, ROOT).split("```diff\n", 1)[1].split("\n```", 1)[0].splitlines()
+        assert f'??? "Full file: `{path}`"\n\n    <!-- from: {path} -->\n    ```python\n' in text
+        assert text.count(f"<!-- from: {path} -->") == 1  # not also shown open
+    shown = text.split("```diff\n", 1)[1].split("\n```", 1)[0].splitlines()
     assert shown[:2] == [f"--- {before}", f"+++ {after}"]
     (a, _), (b, _) = diffs._code(ROOT / before), diffs._code(ROOT / after)
     changed = [line for line in difflib.ndiff(a, b) if line[:2] in ("- ", "+ ")]

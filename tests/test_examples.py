@@ -374,11 +374,11 @@ def test_multiprocess():
 
 
 def test_docs_include_existing_example_sections():
-    """Every ``--8<-- "examples/x.py:name"`` in docs/ names a section the example marks (else the page shows nothing)."""
+    """Every ``<!-- from: examples/x.py:name -->`` copy in docs/ names a section the example marks."""
     found = [
         (page, path, name)
         for page in (ROOT / "docs").rglob("*.md")
-        for path, name in re.findall(r'--8<-- "(examples/[\w./]+\.py):(\w+)"', page.read_text())
+        for path, name in re.findall(r"<!-- from: (examples/[\w./]+\.py):(\w+) -->", page.read_text())
     ]
     assert len(found) >= 2  # the multi-process guide's JAX and torch recipes at least
     for page, path, name in found:
@@ -387,10 +387,11 @@ def test_docs_include_existing_example_sections():
 
 
 def test_migration_pages_show_the_tested_listings():
-    """Each migration page includes its before/after files whole (mkdocs' snippets), so the docs show what runs."""
+    """Each migration page holds its before/after files whole (tests/test_docs_synced.py keeps the copies
+    current), so the docs show what runs."""
     pages = {"torch_amp": "torch-amp.md", "jmp": "jmp.md", "flax": "flax.md", "apex": "apex.md", "torchao": "torchao.md"}
     assert set(pages) == set(MIGRATIONS)
     for name, page in pages.items():
         text = (ROOT / "docs" / "migration" / page).read_text()
         for part in ("before", "after"):
-            assert f'--8<-- "examples/migration/{name}_{part}.py"' in text, f"{page} lacks the {part} listing"
+            assert f"<!-- from: examples/migration/{name}_{part}.py -->" in text, f"{page} lacks the {part} listing"

@@ -22,7 +22,9 @@ PAGES = ("README.md", "DESCRIPTION.md", "docs/index.md")
 def _section(page: str) -> tuple[str, str]:
     """The debugger's snippet on ``page`` and the output block that follows it."""
     text = (ROOT / page).read_text()
-    m = re.search(r"```python\n(?P<code>[^`]*fmp\.explain\([^`]*)```\n\nIt prints:\n\n```text\n(?P<out>.*?)```", text, re.S)
+    m = re.search(
+        r"```python\n(?P<code>[^`]*fmp\.explain\([^`]*)```\n\nIt prints:\n\n```text\n(?P<out>.*?)```", text, re.S
+    )
     assert m is not None, f"{page} does not show the precision debugger with its output"
     return m["code"], m["out"]
 

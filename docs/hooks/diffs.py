@@ -1,9 +1,9 @@
-"""mkdocs hook: ``<!-- diff: before.py after.py -->`` on a page becomes a unified diff of the two files.
+"""The diff a migration page shows under ``<!-- diff: before.py after.py -->`` (written by ``synced.py``).
 
-The migration pages show what changes between a "before" and an "after" example as a diff generated
-from the files at build time, so the diff cannot drift from the examples the test suite runs. The module
-docstrings (which only say which listing is which) are left out; the full files stay one click away in
-collapsed ``??? "Full file"`` blocks.
+The migration pages show what changes between a "before" and an "after" example as a unified diff of the
+two files, checked against them by the test suite, so it cannot drift from the examples the suite runs.
+The module docstrings (which only say which listing is which) are left out; the full files stay one click
+away in collapsed ``??? "Full file"`` blocks.
 """
 
 from __future__ import annotations
@@ -40,16 +40,3 @@ def diff(root: Path, before: str, after: str, context: int = 2) -> str:
             line = f"@@ -{old}{hunk[2] or ''} +{new}{hunk[4] or ''} @@"
         out.append(line)
     return "\n".join(out)
-
-
-def render(markdown: str, root: Path) -> str:
-    """``markdown`` with every diff directive replaced by a fenced ``diff`` block."""
-
-    def sub(m: re.Match[str]) -> str:
-        return f"```diff\n{diff(root, m[1], m[2])}\n```"
-
-    return DIRECTIVE.sub(sub, markdown)
-
-
-def on_page_markdown(markdown, page, config, files):  # noqa: ARG001 (mkdocs' hook signature)
-    return render(markdown, Path(config["config_file_path"]).parent)
