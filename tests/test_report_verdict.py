@@ -34,7 +34,8 @@ def test_a_healthy_model_needs_no_fix(policy):
     assert rep.needs_fix == []
     name = policy.removeprefix("mixed_")
     u = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[name]
-    first = str(rep).splitlines()[0]
+    first = str(rep).split("\n\n")[0]  # the verdict, wrapped at 100 columns
+    assert first == rep.verdict and max(len(line) for line in first.splitlines()) <= 100
     assert first.startswith(f"no op needs a fix ({name} unit roundoff u = {u:.1e};")
     assert f"4u = {4 * u:.1e}" in first
     # the healthy rows still have errors of the dtype's rounding
