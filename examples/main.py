@@ -354,7 +354,8 @@ def plot(results: list[dict[str, Any]], path: Path, title: str = "", plateau: fl
         ylabel="loss scale (before each step; last: after the last)",
         title="(c) Dynamic loss scale",
     )
-    ax3.legend()
+    if scaled:
+        ax3.legend()
     # (d) what each run's step costs, as a ratio to the first run (float32): speed, and bytes read from the
     # compiled program
     metrics = [("steps/s", "steps_per_s", "{:.0f}/s"), ("saved for backward", "residual_bytes", None),
