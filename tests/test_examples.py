@@ -38,10 +38,11 @@ FAST = {
     "torch_fx": ("torch_fx.py", "--fast"),
     "apex_migration": ("apex_migration.py", "--fast"),
     "accumulation": ("accumulation.py", "--fast"),
-    # growth every 50 steps: the scale doubles on the last of the 100 steps, after the last step it plots
+    # growth every 20 steps: the scale doubles on the last of the 60 steps, after the last step it plots; the
+    # story itself (float16 without scaling stuck at the average digit) needs the full run: test_main_default_run
     "main": (
-        "main.py", "--steps", "100", "--growth-interval", "50", "--runs", "float32,float16+scaling,float16",
-        "--no-plot", "--quiet",
+        "main.py", "--steps", "60", "--growth-interval", "20", "--checks", "2",
+        "--runs", "float32,float16+scaling,float16", "--no-plot", "--quiet",
     ),  # fmt: skip
 }
 _TORCH_RUNS = {"torch_facade", "torch_fx", "apex_migration", "migration/torch_amp", "migration/apex", "migration/torchao"}
@@ -267,15 +268,22 @@ def test_apex_migration():
     assert float(first) < 10 and float(last) < 10
 
 
+def _flushed(out: str) -> dict[str, tuple[int, int]]:
+    """The results table's ``grads flushed to 0`` column: run -> (flushed, non-zero in float32)."""
+    return {name: (int(a), int(b)) for name, a, b in re.findall(r"^\| ([\w+]+) +\|.*\| (\d+)/(\d+) \(", out, re.M)}
+
+
 @pytest.mark.xdist_group("examples-main")  # both read one run of main.py
-def test_main_fast_float16_scaling_matches_float32():
+def test_main_fast_float16_underflows_without_scaling():
+    """The mechanism, on a short run: without the scaler float16 rounds most gradient elements to zero (the deep
+    autoencoder's gradients are below 2**-24 from the decoder's middle down); with it, almost none."""
     out = _out("main")
     assert "share of FLOPs in float16: 100.0%" in out
-    assert "(within 1 point)" in out, out
-    m = re.search(r"float16 without scaling: (\d+) of (\d+) gradient elements", out)
-    assert m and int(m.group(1)) > 0, "the unscaled float16 run flushed no gradient to zero"
-    scaled = re.search(r"\| float16\+scaling \|.*\| (\d+)/\d+ \(", out)
-    assert scaled and int(scaled.group(1)) * 10 <= int(m.group(1)), "loss scaling did not prevent the flushes"
+    flushed = _flushed(out)
+    assert set(flushed) == {"float32", "float16+scaling", "float16"}, out
+    unscaled, nonzero = flushed["float16"]
+    assert flushed["float32"][0] == 0 and unscaled >= 0.3 * nonzero, out
+    assert flushed["float16+scaling"][0] * 10 <= unscaled, "loss scaling did not prevent the flushes"
     _assert_no_negative_loss(out)
 
 
@@ -294,22 +302,37 @@ def test_main_reports_what_mixed_precision_saves():
     assert state[0] == state[1] == state[2], out
     final = re.search(r"^\| float16\+scaling +\|.*\| (2\^\d+) +\| \d+/", out, re.M)
     plotted = re.search(r"^float16\+scaling: loss scale 2\^16 before the first step, (\S+) after the last", out, re.M)
-    assert final and plotted and final.group(1) == plotted.group(1) == "2^18", out
+    assert final and plotted and final.group(1) == plotted.group(1) == "2^19", out
 
 
 def _assert_no_negative_loss(out: str) -> None:
     lows = re.search(r"lowest logged loss: (.*)", out)
     assert lows, out
     for name, val in re.findall(r"([\w+]+) (-?[0-9.e+-]+)", lows.group(1)):
-        assert float(val) >= 0, f"{name} logged a negative cross-entropy: {lows.group(0)}"
+        assert float(val) >= 0, f"{name} logged a negative loss: {lows.group(0)}"
 
 
-@pytest.mark.slow
+@pytest.mark.gallery  # the README's command as it is: about 1.5 minutes on 2 cores
 def test_main_default_run(tmp_path):
-    out = _run("main.py", "--out", str(tmp_path), "--quiet", timeout=600)
-    assert "(within 1 point)" in out, out
+    """The story the figure tells: float16 without loss scaling stays at the average digit while float32,
+    bfloat16 and float16 with scaling leave it; the dynamic scale backs off at least once (skipped steps)."""
+    out = _run("main.py", "--out", str(tmp_path), "--quiet", timeout=900)
     assert (tmp_path / "fmp_main.png").stat().st_size > 10_000
     _assert_no_negative_loss(out)
+    vs = {
+        name: (float(ratio), float(of_plateau))
+        for name, ratio, of_plateau in re.findall(
+            r"^([\w+]+) vs float32: final train loss \S+ = ([0-9.]+)x float32's \S+ \(the average digit: ([0-9.]+)x\)",
+            out,
+            re.M,
+        )
+    }
+    assert set(vs) == {"bfloat16", "float16+scaling", "float16"}, out
+    assert vs["float16"][0] >= 1.4 and vs["float16"][1] >= 0.95, out  # stuck on the plateau
+    for name in ("bfloat16", "float16+scaling"):
+        assert vs[name][0] <= 1.3 and vs[name][1] <= 0.8, out  # tracks float32, well below the plateau
+    skipped = re.search(r"^\| float16\+scaling +\|(?:[^|]*\|){3} (\d+) +\|", out, re.M)
+    assert skipped and int(skipped.group(1)) >= 1, out
 
 
 def _third_party_imports(path) -> set[str]:

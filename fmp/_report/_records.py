@@ -66,7 +66,7 @@ class OpRecord:
         under ``compare=True``, 0 for a ``cond`` branch not taken.
       underflow: A backward row with float16 outputs (``grads=True``): the fraction of the reference
         values' nonzero elements below float16's normal range at the loss scale (rounded to zero, or
-        subnormal, which fmp's casts flush to zero); else ``None``.
+        subnormal: kept, with fewer significant bits); else ``None``.
       ref_max: With ``compare=True``: the largest finite ``|value|`` of the op's floating outputs in the
         program as written (an overflow row sets it against its dtype's largest value); else ``None``.
       culprits: The ``index`` of each row ``suggestion`` runs in float32 (the row itself, or the rows
