@@ -105,3 +105,22 @@ def test_a_long_rule_text_is_cut_in_the_table_but_kept_in_the_row():
     line = format_table([row], {}, title="t").splitlines()[3]
     cell = "float8:tensorwise [activation..."
     assert cell in line and len(cell) == RULE_WIDTH and why not in line and row.why == why
+
+
+def test_the_worst_ops_leave_out_ops_that_changed_nothing():
+    # a rotary embedding whose angle product sums one element per output: fmp keeps it exact in float32
+    def rotary(x, positions):
+        inv_freq = 1.0 / 10000 ** (jnp.arange(0, x.shape[-1], 2) / x.shape[-1])
+        angles = positions[:, None] @ inv_freq[None, :]
+        x1, x2 = jnp.split(x, 2, axis=-1)
+        return jnp.concatenate([x1 * jnp.cos(angles) - x2 * jnp.sin(angles), x2], axis=-1)
+
+    x, positions = jax.random.normal(jax.random.PRNGKey(0), (64, 16)), jnp.arange(64.0)
+    rep = fmp.explain(rotary, "mixed_bfloat16", compare=True)(x, positions)
+    assert rep.needs_fix == [] and all(r.error == 0.0 for r in rep.records if r.error is not None)
+    worst = str(rep).split("\n\n")[1]
+    assert worst.splitlines()[1] == "(none: every op computed exactly what the program as written computes)"
+    # a model that rounds lists only the ops that changed something
+    model, params, xb = _block()
+    text = str(fmp.explain(model.apply, "mixed_bfloat16", compare=True)(params, xb)).split("\n\n")[1]
+    assert "added 0.00e+00, error 0.00e+00" not in text and text.count("\n#") >= 3

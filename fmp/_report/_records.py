@@ -308,11 +308,18 @@ class Report:
             return table
         head = verdict(self.records, self.policy)
         down = inherited(self.records)
-        own = [r for r in self.records if not (down and inherits(r))]  # folded into their culprits
+        # rows folded into their culprits, and rows that changed nothing (exact), are left out of the worst ops
+        own = [
+            r
+            for r in self.records
+            if not (down and inherits(r)) and (r.error or r.added_error or r.flips or r.nonfinite)
+        ]
         text = f"{head}\n\n{format_worst(worst_rows(own, 10), downstream=down)}\n\n{table}"
         if self.grads is not None:
             text += f"\n\n{format_grads(self.grads)}"
             if self.grads.rows:
-                back = format_worst(worst_rows(self.grads.rows, 10), title="worst backward ops (vs the lifted backward)")
+                back = format_worst(
+                    worst_rows(self.grads.rows, 10), title="worst backward ops (vs the lifted backward)"
+                )
                 text += f"\n\n{back}"
         return text

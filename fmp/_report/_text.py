@@ -66,6 +66,9 @@ def format_worst(
     many rows inherit each culprit's non-finite values (those rows are left out)."""
     out = [title]
     downstream = downstream or {}
+    rows = list(rows)
+    if not rows:
+        out.append("(none: every op computed exactly what the program as written computes)")
     for r in rows:
         if downstream and inherits(r):
             continue
