@@ -28,6 +28,9 @@ from fmp._report._fixes import fix_code
 # how many ops upstream an inherited error is traced to the rows that rounded its inputs
 WALK = 16
 
+# a rounding row whose output error is this many times the error it added is looked through by ``charged``
+INHERITED = 4.0
+
 
 def needs_fix(row: OpRecord) -> bool:
     """The op's own error is far above its dtype's roundoff, or it overflows."""
@@ -66,6 +69,13 @@ def rounds_down(row: OpRecord) -> bool:
     return any(n in LOW for n in row.out_after) and not passes_on(row)
 
 
+def passes_on_most(row: OpRecord) -> bool:
+    """The op rounded, but its output carries ``INHERITED`` times more error than it added: most of it came
+    from upstream (``x - max(x)`` in bfloat16 inside a softmax, after a router's float8 logits)."""
+    added, error = row.added_error, row.error
+    return added is not None and error is not None and math.isfinite(error) and error > INHERITED * added
+
+
 def charged(
     start: Iterable[Hashable],
     inputs: Callable[[Any], Iterable[Hashable]],
@@ -78,28 +88,40 @@ def charged(
     ``through``: also past such a row whose inputs already carried error (its ``error`` above its
     ``added_error``) to the rows that rounded those: every rounding an amplified error is made of.
 
+    Without ``through``, a rounding row that mostly passes on its inputs' error (``passes_on_most``:
+    ``x - max(x)`` in bfloat16 inside a softmax, after a router's float8 logits) is looked through: the rows
+    beyond it are charged, unless its error is ``AMPLIFIED`` times theirs (then it magnified them, as ``cos``
+    of rounded angles, and is charged itself), or nothing beyond it is found.
+
     ``None`` when a row reached has flips itself: the error comes from a discrete op upstream, whose own
     row names the fix. ``inputs(node)``: the nodes it reads; ``row(node)``: its compared row, or ``None``.
     """
     found: dict[int, OpRecord] = {}
+    looked: dict[int, OpRecord] = {}
     seen: set[Hashable] = set()
-    frontier = list(start)
+    frontier: list[tuple[Hashable, OpRecord | None]] = [(node, None) for node in start]
     for _ in range(WALK):
-        upstream: list[Hashable] = []
-        for node in frontier:
+        upstream: list[tuple[Hashable, OpRecord | None]] = []
+        for node, via in frontier:
             if node in seen:
                 continue
             seen.add(node)
             made = row(node)
             if made is not None and made.flips:
                 return None
-            if made is not None and rounds_down(made):
-                found[made.index] = made
+            if made is not None and rounds_down(made) and not through and passes_on_most(made):
+                looked[made.index] = made
+                upstream += [(n, made) for n in inputs(node)]
+            elif made is not None and rounds_down(made):
+                magnified = via is not None and (via.error or 0.0) > AMPLIFIED * (made.error or 0.0)
+                culprit = via if via is not None and magnified else made
+                found[culprit.index] = culprit
                 if through and (made.error or 0.0) > (made.added_error or 0.0):
-                    upstream += inputs(node)
+                    upstream += [(n, via) for n in inputs(node)]
             else:
-                upstream += inputs(node)
+                upstream += [(n, via) for n in inputs(node)]
         frontier = upstream
+    found = found or looked
     return [found[i] for i in sorted(found)]
 
 
