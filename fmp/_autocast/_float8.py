@@ -50,5 +50,6 @@ def float8(
             flops=_rows.flops(eqn),
             detail=_fp8.scaling_label(recipe, eqn.primitive.name, site),
             why=why,
+            gemm=_rows.gemm(eqn, "lhs" if why.startswith("weight operand (lhs") else "rhs"),
         )
     return outs

@@ -4,7 +4,8 @@ A fix changes the culprit and as little else as possible: the innermost named sc
 ops it runs in float32 (``overrides={"block/mlp": "float32"}``); for an op outside any scope, its source
 location (``overrides={"model.py:12:8": "float32"}``); only where neither is known, a move of the
 op in the rule table, spelled from ``fmp.DEFAULT_RULES`` with the rules the report ran under, so the code
-names no variable the user may not have.
+names no variable the user may not have. A float8 matmul moves one step only: out of float8, into the compute
+dtype (``overrides={"lm_head": "mixed_bfloat16"}``, ``keep_value``); where a key asks for both, float32 wins.
 
 Framework-neutral: imports neither jax nor torch.
 """
@@ -74,19 +75,35 @@ def rules_code(rules: RuleSet, ops: Sequence[str], framework: str = "jax") -> st
     return f"rules=fmp.DEFAULT_RULES{_call(_with_float32(_diff(rules, 'jax', None), ops), extra)}"
 
 
+def keep_value(row: OpRecord) -> str:
+    """The ``overrides`` value that keeps ``row`` out of float8: the preset of its compute dtype
+    (``"mixed_bfloat16"``; a float8 matmul returns the compute dtype), ``"float32"`` when its result is float32
+    (a recipe with ``output="float32"``, whose compute dtype the row does not show)."""
+    low = [n for n in row.out_after if n in ("bfloat16", "float16")]
+    return f"mixed_{low[0]}" if low else "float32"
+
+
+def _stronger(values: dict[str, str], key: str, value: str) -> None:
+    """``values[key] = value`` unless ``values[key]`` is already float32 (the stronger fix)."""
+    if values.get(key) != "float32":
+        values[key] = value
+
+
 def fix_code(culprits: Sequence[OpRecord], rules: RuleSet, framework: str = "jax") -> str:
-    """Code to paste that runs ``culprits`` in float32: an override of each one's scope (or, outside any
-    scope, of its source location); a rule-table move (``rules_code``) for the others."""
-    keys, moved = [], []
+    """Code to paste that runs ``culprits`` in float32 (a float8 matmul: in its compute dtype, ``keep_value``):
+    an override of each one's scope (or, outside any scope, of its source location); a rule-table move
+    (``rules_code``) for the others."""
+    keys: dict[str, str] = {}
+    moved = []
     for c in culprits:
         key = c.scope or location_key(c)
         if key:
-            keys.append(key)
+            _stronger(keys, key, keep_value(c) if c.category == "float8" else "float32")
         else:
             moved.append(c.op)
     parts = []
     if keys:
-        parts.append("overrides={" + ", ".join(f'"{k}": "float32"' for k in dict.fromkeys(keys)) + "}")
+        parts.append("overrides={" + ", ".join(f'"{k}": "{v}"' for k, v in keys.items()) + "}")
     if moved:
         parts.append(rules_code(rules, moved, framework))
     return ", ".join(parts)
@@ -135,7 +152,8 @@ def combined(suggestions: Iterable[str]) -> dict[str, Any]:
     rule_sets: list[RuleSet] = []
     for s in dict.fromkeys(suggestions):
         kwargs = parse(s)
-        overrides.update(kwargs.get("overrides", {}))
+        for key, value in kwargs.get("overrides", {}).items():
+            _stronger(overrides, key, value)
         if "rules" in kwargs:
             rule_sets.append(kwargs["rules"])
     out: dict[str, Any] = {}

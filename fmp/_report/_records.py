@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from fmp._report._fixes import combined, localised
+from fmp._report._float8_choice import small_fixes
 from fmp._report._grads import GradReport, format_grads
 from fmp._report._text import format_table, format_worst, inherited, inherits, worst_rows
 from fmp._report._verdict import fix_rows, verdict
@@ -72,6 +73,12 @@ class OpRecord:
       culprits: The ``index`` of each row ``suggestion`` runs in float32 (the row itself, or the rows
         upstream that rounded the inputs it magnified or whose changed values flipped it); ``()`` without
         a suggestion.
+      gemm: A float8 matmul or convolution as a GEMM, ``(M, K, N)``: ``K`` the elements summed per output,
+        ``N`` the output features (the weight operand's free size), ``M`` the rest; else ``None``.
+      float8_too_small: A float8 matmul below the size where float8 pays on a GPU: the size rule it falls
+        under (``"tensorwise: K <= 4096 and N <= 1024"``, see ``fmp._report._float8_choice``); else ``""``.
+      added_vs_float8_median: With ``compare=True``, a float8 matmul: its ``added_error`` over the median
+        ``added_error`` of the report's other float8 matmuls (the rule that keeps one in bfloat16); else ``None``.
     """
 
     index: int
@@ -100,6 +107,9 @@ class OpRecord:
     underflow: float | None = None
     ref_max: float | None = None
     culprits: tuple[int, ...] = ()
+    gemm: tuple[int, int, int] | None = None
+    float8_too_small: str = ""
+    added_vs_float8_median: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -185,13 +195,18 @@ class Report:
             raise ValueError("Report.verdict needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
         return verdict(self.records, self.policy)
 
-    def suggested(self) -> dict[str, Any]:
+    def suggested(self, *, small_float8: bool = False) -> dict[str, Any]:
         """The keyword arguments (``overrides=``, ``rules=``) that apply every suggestion of ``needs_fix`` at
         once; ``{}`` when no op needs a fix. A ``rules=`` entry holds the rules the report ran under (spelled
         from ``fmp.DEFAULT_RULES``) with the ops it names moved to float32: pass it instead of your own.
 
+        Args:
+          small_float8: Also keep in the compute dtype every float8 matmul marked ``float8_too_small`` (below
+            the size where float8 pays on a GPU): a speed choice, not an accuracy fix, so off by default; it
+            needs no ``compare=True``.
+
         Raises:
-          ValueError: The report has no errors (``compare=True`` missing).
+          ValueError: The report has no errors (``compare=True`` missing), unless ``small_float8=True``.
 
         Examples:
           >>> def f(x):
@@ -203,7 +218,8 @@ class Report:
           >>> fmp.explain(f, "mixed_float16", compare=True, **rep.suggested())(x).needs_fix
           []
         """
-        return combined(r.suggestion for r in self.needs_fix)
+        fixes = [r.suggestion for r in self.needs_fix] if self.compared or not small_float8 else []
+        return combined([*fixes, *(small_fixes(self.records) if small_float8 else [])])
 
     @property
     def grad_errors(self) -> dict[str, Any]:

@@ -7,6 +7,8 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fmp._report._float8_choice import size_line
+
 OpRecord = Any  # fmp._report._records.OpRecord (whose Report formats itself with this module)
 
 # the largest finite value of each low-precision dtype: what an overflow row sets its values against
@@ -91,9 +93,22 @@ def format_worst(
         if over or n:
             tail = f"{n} op{'s' if n != 1 else ''} downstream inherit{'' if n != 1 else 's'} it" if n else ""
             out.append("    overflow: " + "; ".join(x for x in (over, tail) if x))
+        if r.category == "float8" and (r.added_vs_float8_median is not None or r.gemm is not None):
+            out.append(f"    float8: {_float8_facts(r)}")
         if r.suggestion:
             out.append(f"    fix: {r.suggestion}")
     return "\n".join(out)
+
+
+def _float8_facts(r: OpRecord) -> str:
+    """A float8 row's own error against the other float8 matmuls', and its GEMM size against the GPU rule."""
+    facts = []
+    if r.added_vs_float8_median is not None:
+        facts.append(f"added {r.added_vs_float8_median:.1f}x the median float8 matmul's")
+    if r.gemm is not None:
+        m, k, n = r.gemm
+        facts.append(f"M, K, N = {m}, {k}, {n}" + (" (too small to pay on a GPU)" if r.float8_too_small else ""))
+    return "; ".join(facts)
 
 
 def _dtypes(names: Iterable[str]) -> str:
@@ -145,7 +160,7 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
             _dtypes(r.out_before),
             _dtypes(r.out_after),
             *((_short(r.added_error) + ("!" if r.suggestion else ""), _short(r.error)) if compared else ()),
-            _flops(r.flops),
+            _flops(r.flops) + (" small" if r.float8_too_small else ""),
             r.scope,
             r.source,
         )
@@ -165,6 +180,9 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
     )
     if summary.get("float8_flops"):
         out.append(f"{summary['float8_flop_share']:.1%} of flops in float8")
+    size = size_line(records)
+    if size:
+        out.append(textwrap.fill(size, 100, subsequent_indent="    ", break_on_hyphens=False))
     out += [textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False) for line in _by_rule(records)]
     return "\n".join(out)
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from fmp._report._compare import FAR, UNIT_ROUNDOFF
+from fmp._report._float8_choice import clause
 
 OpRecord = Any  # fmp._report._records.OpRecord (whose Report asks this module for its verdict)
 
@@ -40,15 +41,17 @@ def compute_dtype(policy: str) -> str:
 
 
 def verdict(records: Iterable[OpRecord], policy: str) -> str:
-    """The verdict ``str(report)`` opens with (wrapped at 100 columns): how many ops need a fix, the unit roundoff ``u`` of the policy's
-    compute dtype, and the threshold an op's own error is held to."""
+    """The verdict ``str(report)`` opens with (wrapped at 100 columns): how many ops need a fix, the unit
+    roundoff ``u`` of the policy's compute dtype, and the threshold an op's own error is held to (and, with
+    float8 matmuls, the rule that keeps one in the compute dtype: ``_float8_choice``)."""
+    records = list(records)
     n = len(fix_rows(records))
     head = "no op needs a fix" if n == 0 else f"{n} op{'s' if n > 1 else ''} need{'' if n > 1 else 's'} a fix"
     name = compute_dtype(policy)
     u = UNIT_ROUNDOFF[name]
     text = (
         f"{head} ({name} unit roundoff u = {u:.1e}; a fix is due where an op overflows, flips discrete "
-        f"outputs or adds an error above {FAR:g}u = {FAR * u:.1e})"
+        f"outputs or adds an error above {FAR:g}u = {FAR * u:.1e}{clause(records)})"
     )
     return textwrap.fill(text, 100, subsequent_indent="  ")
 

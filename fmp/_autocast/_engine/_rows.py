@@ -52,3 +52,24 @@ def flops(eqn: JaxprEqn) -> float:
         per_output = math.prod(rhs.shape) / rhs.shape[out_feature_dim]
         return 2.0 * math.prod(out.shape) * per_output
     return 0.0
+
+
+def gemm(eqn: JaxprEqn, weight: str = "rhs") -> tuple[int, int, int] | None:
+    """``(M, K, N)`` of a matmul or convolution seen as a GEMM (None for other ops): ``K`` the elements summed
+    per output, ``N`` the output features (the free size of the ``weight`` operand, ``"lhs"`` or ``"rhs"``, of a
+    ``dot_general``; a convolution's output channels), ``M`` the other output elements (batch dims included)."""
+    name = eqn.primitive.name
+    out = math.prod(eqn.outvars[0].aval.shape)
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        side = 0 if weight == "lhs" else 1
+        shape, skip = eqn.invars[side].aval.shape, set((lc, rc)[side]) | set((lb, rb)[side])
+        n = math.prod(s for d, s in enumerate(shape) if d not in skip)
+        k = contracted_size(eqn)
+    elif name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        n = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        k = math.prod(rhs) // max(n, 1)
+    else:
+        return None
+    return out // max(n, 1), k, n

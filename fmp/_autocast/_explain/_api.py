@@ -18,6 +18,7 @@ from fmp._autocast._wrap import autocast
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
+from fmp._report._float8_choice import choose
 from fmp._report._records import Report
 from fmp._scaling._scaler import GradScaler
 
@@ -153,7 +154,7 @@ def explain(
             rewrite_top(closed, ctx)
         if sites is not None:
             sites.finish()
-        records = tuple(ctx.records or ())
+        records = choose(tuple(ctx.records or ()), config.rules)  # which float8 matmuls to keep in bfloat16
         back = None
         if grads:
             fp16 = config.policy.compute_dtype == jnp.float16

@@ -11,6 +11,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fmp._core._rules import RuleSet
+from fmp._report._float8_choice import choose
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
 from fmp.torch._fx import _compare
@@ -49,6 +50,15 @@ def _flops(op: str, node: torch.fx.Node) -> float:
     return 0.0
 
 
+def _gemm(node: torch.fx.Node) -> tuple[int, int, int] | None:
+    """``(M, K, N)`` of a float8 matmul node (``float8_linear(x, w_t, ...)``, ``w_t`` of shape ``[K, N]``)."""
+    x, w = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    k, n = (int(d) for d in w.shape)
+    return x.numel() // max(k, 1), k, n
+
+
 def _cast_scope(node: torch.fx.Node, origin: torch.fx.Node) -> str:
     """What an inserted cast casts: a parameter's qualified name, a graph input, or the consumer's activation."""
     operand = node.args[0] if node.args else None
@@ -81,6 +91,7 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
                 out_after=float_names(node.meta.get("val")),
                 flops=_flops(ev.op, node),
                 detail=ev.detail,
+                gemm=_gemm(node) if ev.category == "float8" else None,
             )
         )
     return tuple(rows)
@@ -206,7 +217,7 @@ def explain_fx(
     env: dict[torch.fx.Node, Any] = {}
     out = rewrite(bound, device_type, dtype, rules, events, prep.written, env)
     events = float8_events(out.graph, events)
-    rows = records(events)
+    rows = choose(records(events), rules, "torch")  # the size mark of float8 matmuls
     name = _policy_name(device_type, dtype)
     if not compare:
         return Report(rows, name, "torch")
