@@ -15,7 +15,7 @@ float8 culprit's fix is the compute dtype there too (``_fixes.keep_value``).
 
 **Too small.** Float8 pays on a GPU only where the faster GEMM repays the quantisation passes around it.
 The size rule is torchao's (``torchao.float8._auto_filter_for_recipe``, torchao 0.18, whose docstring calls its
-thresholds heuristics from microbenchmarks on H100 GPUs; its training docs' performance tables give, for
+thresholds heuristics from microbenchmarks on H100 GPUs; its float8 README's performance section gives, for
 M, K, N = 1024, 2048, 1024, a float8 speedup of 0.80, for 4096, 8192, 16384 of 1.39): with ``K`` the weight's
 input features and ``N`` its output features, a layer stays in bfloat16 when ``K`` or ``N`` is not a multiple
 of 16 (the float8 GEMM's requirement), under tensorwise scaling when ``K <= 4096 and N <= 1024``, under
