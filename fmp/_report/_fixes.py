@@ -193,14 +193,14 @@ def localised(records: Sequence[OpRecord]) -> tuple[OpRecord, ...]:
         if not (r.suggestion and r.culprits and r.suggestion.startswith("overrides={")):
             out.append(r)
             continue
-        keys: list[str] = []
+        keys: dict[str, str] = {}
         for c in (index[i] for i in r.culprits if i in index):
             key = c.scope or location_key(c)
             if c.scope and _crowded(c.scope, records, named) and location_key(c):
                 key = location_key(c)
             if key:
-                keys.append(key)
+                _stronger(keys, key, keep_value(c) if c.category == "float8" else "float32")
         end = r.suggestion.index("}") + 1  # the overrides dict (keys hold no "}"), then any rules= part
-        text = "overrides={" + ", ".join(f'"{k}": "float32"' for k in dict.fromkeys(keys)) + "}"
+        text = "overrides={" + ", ".join(f'"{k}": "{v}"' for k, v in keys.items()) + "}"
         out.append(dataclasses.replace(r, suggestion=text + r.suggestion[end:]) if keys else r)
     return tuple(out)

@@ -123,7 +123,7 @@ def choose(records: Sequence[OpRecord], rules: RuleSet, framework: str = "jax") 
             changes["added_vs_float8_median"] = added[r.index] / median if median > 0 else math.inf
         r = dataclasses.replace(r, **changes)
         if r.suggestion is None and stands_out(r):
-            r = dataclasses.replace(r, suggestion=fix_code([r], rules, framework) or None)
+            r = dataclasses.replace(r, suggestion=fix_code([r], rules, framework) or None, culprits=(r.index,))
         out.append(r)
     return tuple(out)
 

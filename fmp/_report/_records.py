@@ -70,9 +70,9 @@ class OpRecord:
         subnormal: kept, with fewer significant bits); else ``None``.
       ref_max: With ``compare=True``: the largest finite ``|value|`` of the op's floating outputs in the
         program as written (an overflow row sets it against its dtype's largest value); else ``None``.
-      culprits: The ``index`` of each row ``suggestion`` runs in float32 (the row itself, or the rows
-        upstream that rounded the inputs it magnified or whose changed values flipped it); ``()`` without
-        a suggestion.
+      culprits: The ``index`` of each row ``suggestion`` runs in float32 (a float8 matmul: in its compute
+        dtype): the row itself, or the rows upstream that rounded the inputs it magnified or whose changed
+        values flipped it; ``()`` without a suggestion.
       gemm: A float8 matmul or convolution as a GEMM, ``(M, K, N)``: ``K`` the elements summed per output,
         ``N`` the output features (the weight operand's free size), ``M`` the rest; else ``None``.
       float8_too_small: A float8 matmul below the size where float8 pays on a GPU: the size rule it falls
