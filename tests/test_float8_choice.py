@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -197,3 +199,12 @@ def test_float8_culprits_move_one_step_and_float32_wins_a_shared_key():
     assert combined(['overrides={"s": "float32"}', 'overrides={"s": "mixed_bfloat16"}']) == {
         "overrides": {"s": "float32"}
     }
+
+
+def test_a_float8_fix_in_a_crowded_scope_names_the_line_and_keeps_the_compute_dtype():
+    from fmp._report._fixes import localised
+
+    named = _row(index=0, scope="block", source="m.py:3:4 (f)", suggestion='overrides={"block": "mixed_bfloat16"}')
+    named = dataclasses.replace(named, culprits=(0,), flops=1.0)
+    beside = _row(index=1, scope="block", source="m.py:4:4 (f)", flops=1.0)  # a float8 matmul no fix names
+    assert localised([named, beside])[0].suggestion == 'overrides={"m.py:3:4": "mixed_bfloat16"}'

@@ -170,6 +170,11 @@ class Report:
         """The compared rows with a suggestion, worst first: overflows first, then by decreasing
         ``added_error`` (then flips, then error); ``[]`` when no op needs a fix (a healthy model).
 
+        Under a float8 policy it also holds each float8 matmul whose own error stands out from the others':
+        above 3x the median ``added_error`` of the report's other float8 matmuls and above e4m3's unit
+        roundoff (``added_vs_float8_median``, ``fmp._report._float8_choice``); a float8 culprit's fix keeps it
+        in the compute dtype (``overrides={"lm_head": "mixed_bfloat16"}``), not float32.
+
         Raises:
           ValueError: The report has no errors (``compare=True`` missing).
         """

@@ -61,7 +61,9 @@ def explain(
     the error the op adds by itself (``added_error``: the op in the policy's
     dtypes on the reference inputs) and, where that is far above the dtype's
     unit roundoff, overflows or changes discrete outputs, a ``suggestion``:
-    code to paste that runs it in float32. ``report.worst(k)`` lists the
+    code to paste that runs it in float32 (a float8 matmul: in the compute
+    dtype, also where its own error stands out from the other float8
+    matmuls', see ``Report.needs_fix``). ``report.worst(k)`` lists the
     culprits, ``print(report)`` starts with them and ``report.plot()``
     draws them (needs matplotlib). The reference is the
     program in the dtypes it was written in (float64 only where it says so).
