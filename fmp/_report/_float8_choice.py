@@ -23,10 +23,10 @@ rowwise scaling when ``N <= 2048``, ``K <= 1024``, or ``K <= 2048 and N <= 4096`
 enter, as in torchao's filter. fmp applies the tensorwise thresholds to its ``delayed`` recipe (per-tensor
 scales) and the rowwise ones to ``blockwise`` and ``mx`` (finer scales, no published rule). Transformer
 Engine's "GEMM Speedups Across Precisions" page says the same in general: the speedup, quantisation included,
-depends on the model's matrix dimensions. fmp's own measurement agrees: on an H200, GPT-2 small (d = 768, every
-matmul small by this rule under rowwise, two of four per block under tensorwise) ran its float8 step 7%
-(tensorwise) and 19% (rowwise) slower than bfloat16, and one 8192³ matmul 1.26x and 1.29x faster
-(docs/benchmarks.md, "On a GPU"). The mark is information (``OpRecord.float8_too_small``, a line in the
+depends on the model's matrix dimensions. fmp's own measurement agrees: on an H200, GPT-2 small (d = 768,
+every matmul small by this rule under rowwise, two of four per block under tensorwise) ran its float8 step
+7% (tensorwise) and 19% (rowwise) slower than bfloat16, and one 8192³ matmul 1.26x (tensorwise) and 1.29x
+(rowwise) faster (docs/benchmarks.md, "On a GPU"). The mark is information (``OpRecord.float8_too_small``, a line in the
 report); ``Report.suggested(small_float8=True)`` adds the overrides that keep those matmuls in bfloat16.
 
 Framework-neutral: imports neither jax nor torch.
@@ -135,8 +135,8 @@ def clause(records: Sequence[OpRecord]) -> str:
         return ""
     u8 = max(unit_roundoff(r) for r in records if r.index in added)
     return (
-        f"; a float8 matmul, against float8's u8 = {u8:.1e}: above {FAR:g}u8, or above u8 and {STANDS_OUT:g}x the median "
-        f"float8 matmul's ({statistics.median(added.values()):.1e})"
+        f"; a float8 matmul, against float8's u8 = {u8:.1e}: above {FAR:g}u8, or above u8 and {STANDS_OUT:g}x "
+        f"the median float8 matmul's ({statistics.median(added.values()):.1e})"
     )
 
 
