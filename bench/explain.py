@@ -1,14 +1,17 @@
-"""Benchmark: what ``fmp.explain(fn, compare=True)`` costs against one eager forward pass.
+"""Benchmark: what ``fmp.explain(fn, compare=True)`` and ``compare=True, grads=True`` cost.
 
 Run ``python bench/explain.py`` from the repository root; it prints one markdown table per question, for
-the bench transformer of ``bench/autocast.py`` (2 pre-LN blocks, B=8, T=128, D=256) and a flax linen
-encoder (4 blocks, B=8, T=64, D=128), under ``mixed_bfloat16``:
+the bench transformer of ``bench/autocast.py`` (2 pre-LN blocks, B=8, T=128, D=256, its mean-square loss) and
+a flax linen encoder (4 blocks, B=8, T=64, D=128, the same loss), under ``mixed_bfloat16``:
 
-- warm: a repeated call (minimum over ``--repeat``) against a repeated eager forward (op by op, no jit);
-- cold: the first call in a fresh process against the first eager forward in another (median over
-  ``--runs`` process pairs; both pay JAX's start-up on a small warm-up first, so what is compared is
-  the compilation of each op the call runs, and the work);
-- memory: the most bytes of live arrays while the comparison runs (beyond the arguments), sampled at
+- warm: a repeated ``explain(compare=True)`` call against a repeated eager forward (op by op, no jit), and a
+  repeated ``explain(compare=True, grads=True)`` call against a repeated eager ``jax.grad`` (no jit); each
+  the minimum over ``--repeat`` rounds, the four measured in turn in every round (side by side, so a
+  shared machine's load weighs on all alike);
+- cold: the first call in a fresh process against the first eager forward (or ``jax.grad``) in another
+  (median over ``--runs`` process sets; every process pays JAX's start-up on a small warm-up first, so what
+  is compared is the compilation of what the call runs, and the work);
+- memory: the most bytes of live arrays while the forward comparison runs (beyond the arguments), sampled at
   every op, against the forward's activations (the bytes of every value the float32 program computes).
 """
 
@@ -42,19 +45,21 @@ MODELS = ("bench transformer", "linen encoder")
 def model(name: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     if name == "bench transformer":
         params = bench_autocast.init_params(jax.random.key(0), d=256)
-        return bench_autocast.transformer, (params, jax.random.normal(jax.random.key(1), (8, 128, 256)))
+        return bench_autocast.loss, (params, jax.random.normal(jax.random.key(1), (8, 128, 256)))
     init, enc_loss = bench_autocast.linen_encoder(hand=False)
     xe = jax.random.normal(jax.random.key(2), (8, 64, 128))
     return enc_loss, (jax.jit(init)(jax.random.key(3), xe), xe)  # jitted: no op of the forward compiled before
 
 
-def _best(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
+def _best(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """The least wall seconds of each of ``fns`` over ``repeat`` rounds, each round running them in turn."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - start)
+    return {k: min(v) for k, v in times.items()}
 
 
 def activation_bytes(fn: Callable[..., Any], *args: Any) -> int:
@@ -92,46 +97,66 @@ def peak_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
     return peak
 
 
+def _runner(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What one call of ``kind`` runs: an eager forward or ``jax.grad``, or one of the two explain calls."""
+    if kind == "eager":
+        return fn
+    if kind == "grad":
+        return jax.grad(fn)
+    explain = fmp.explain(fn, "mixed_bfloat16", compare=True, grads=kind == "explain grads")
+    return lambda *args: (explain(*args), 0)[1]
+
+
+KINDS = ("eager", "explain", "grad", "explain grads")
+
+
 def warm(name: str, repeat: int) -> dict[str, Any]:
     fn, args = model(name)
-    explain = fmp.explain(fn, "mixed_bfloat16", compare=True)
-    explain(*args)
-    eager = _best(lambda: fn(*args), repeat)
-    call = _best(lambda: (explain(*args), 0)[1], repeat)
+    calls = {kind: _runner(kind, fn) for kind in KINDS}
+    for call in calls.values():
+        jax.block_until_ready(call(*args))  # every op compiled
+    t = _best({kind: (lambda c=call: c(*args)) for kind, call in calls.items()}, repeat)
     acts = activation_bytes(fn, *args)
     peak = peak_bytes(fn, args)
     return {
         "model": name,
-        "eager forward (ms)": 1e3 * eager,
-        "explain compare (ms)": 1e3 * call,
-        "warm ratio": call / eager,
-        "activations (MiB)": acts / 2**20,
-        "peak live (MiB)": peak / 2**20,
-        "peak / activations": peak / acts,
+        "eager forward (ms)": 1e3 * t["eager"],
+        "explain compare (ms)": 1e3 * t["explain"],
+        "forward ratio": t["explain"] / t["eager"],
+        "eager jax.grad (ms)": 1e3 * t["grad"],
+        "explain grads (ms)": 1e3 * t["explain grads"],
+        "grads ratio": t["explain grads"] / t["grad"],
+        "peak live / activations (MiB)": f"{peak / 2**20:.0f} / {acts / 2**20:.0f} = {peak / acts:.2f}x",
     }
 
 
 def first_call(kind: str, name: str) -> float:
-    """Wall seconds of the first eager forward (``eager``) or ``explain(compare=True)`` call (``explain``)."""
+    """Wall seconds of the first call of ``kind`` (``KINDS``) in this process."""
     jax.block_until_ready(jnp.ones((3, 3)) @ jnp.ones((3, 3)))  # JAX's own start-up, paid alike
     fn, args = model(name)
     jax.block_until_ready(args)
+    call = _runner(kind, fn)
     start = time.perf_counter()
-    if kind == "eager":
-        jax.block_until_ready(fn(*args))
-    else:
-        fmp.explain(fn, "mixed_bfloat16", compare=True)(*args)
+    jax.block_until_ready(call(*args))
     return time.perf_counter() - start
 
 
 def cold(name: str, runs: int) -> dict[str, Any]:
-    times: dict[str, list[float]] = {"eager": [], "explain": []}
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for _ in range(runs):
         for kind, got in times.items():
             cmd = [sys.executable, __file__, "--first-call", kind, name]
             got.append(float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1]))
-    eager, call = statistics.median(times["eager"]), statistics.median(times["explain"])
-    return {"model": name, "eager forward (s)": eager, "explain compare (s)": call, "cold ratio": call / eager}
+    t = {kind: statistics.median(got) for kind, got in times.items()}
+    return {
+        "model": name,
+        "eager forward (s)": t["eager"],
+        "explain compare (s)": t["explain"],
+        "forward ratio": t["explain"] / t["eager"],
+        "eager jax.grad (s)": t["grad"],
+        "explain grads (s)": t["explain grads"],
+        "grads ratio": t["explain grads"] / t["grad"],
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -144,16 +169,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--runs", type=int, default=3, help="fresh process pairs for the cold figures")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds for the warm figures")
+    parser.add_argument("--runs", type=int, default=3, help="fresh process sets for the cold figures")
+    parser.add_argument("--warm-only", action="store_true", help="skip the cold figures")
     parser.add_argument("--first-call", nargs=2, metavar=("KIND", "MODEL"), help=argparse.SUPPRESS)
     opts = parser.parse_args()
     with jax.numpy_dtype_promotion("standard"):
         if opts.first_call:
             print(first_call(*opts.first_call))
             return
-        print(table([warm(name, opts.repeat) for name in MODELS]) + "\n")
-    print(table([cold(name, opts.runs) for name in MODELS]))
+        print(table([warm(name, opts.repeat) for name in MODELS]) + "\n", flush=True)
+    if not opts.warm_only:
+        print(table([cold(name, opts.runs) for name in MODELS]))
 
 
 if __name__ == "__main__":
