@@ -172,7 +172,8 @@ def as_arrived(ops: CompareOps, refs: Sequence[Any], likes: Sequence[Any]) -> tu
     arrived = [round_as(ops, r, x, back=False) for r, x in zip(refs, likes, strict=True)]
     if all(a is r for a, r in zip(arrived, refs, strict=True)):
         return arrived, None
-    return arrived, [round_as(ops, r, x) for r, x in zip(refs, likes, strict=True)]
+    # ``round_as(ops, r, x)``, from the rounding already made: one conversion per value, not two
+    return arrived, [r if a is r else ops.astype(a, r) for a, r in zip(arrived, refs, strict=True)]
 
 
 def split_outputs(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> tuple[list, list]:
