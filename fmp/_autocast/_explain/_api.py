@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
 from fmp._autocast._engine._rows import flops
-from fmp._autocast._explain import _forward, _grads
+from fmp._autocast._explain import _cache, _forward, _grads
 from fmp._autocast._float8_checks import check_state
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._autocast._wrap import autocast
@@ -145,6 +145,9 @@ def explain(
     if fp8_state is not None:
         check_state(fp8_state, config.policy, config.overrides, str(config.policy))
 
+    traces = _cache.Traces()  # the compiled gradients of each argument signature, for repeated calls
+    policy_fn = autocast(fn, policy, rules=rules, overrides=overrides) if grads else None
+
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
         closed, arrays, _ = trace(fn, args, kwargs)
@@ -161,8 +164,7 @@ def explain(
         if grads:
             fp16 = config.policy.compute_dtype == jnp.float16
             s = scale if scale is not None else (_FP16_SCALE if fp16 else 1.0)
-            policy_fn = autocast(fn, policy, rules=rules, overrides=overrides)
-            back = _grads.compare(fn, policy_fn, args, kwargs, argnums, s, fp16, records, config.rules)
+            back = _grads.compare(fn, policy_fn, args, kwargs, argnums, s, fp16, records, config.rules, traces)
         return Report(records, policy=str(config.policy), framework="jax", compared=compare, grads=back)
 
     return run

@@ -25,7 +25,7 @@ from fmp._autocast._engine._context import Context, Handler, calling
 from fmp._autocast._engine._interp import bind, eval_jaxpr, rewrite_eqn
 from fmp._autocast._engine._provenance import is_inline_call
 from fmp._autocast._explain import _loops
-from fmp._autocast._explain._stats import JAX_OPS, Deferred, resolve
+from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
 from fmp._autocast._hops import _calls
 from fmp._autocast._hops._helpers import helper_call
 from fmp._autocast._transform import run_top
@@ -38,10 +38,6 @@ _MSG_BODY = (
     "rewritten as traced bodies, which hold no values to compare). Call fmp.explain without compare=True "
     "for the dtypes, or compare the function the body runs."
 )
-
-
-# statistics are resolved once the arrays they hold reach this many bytes (and at the end)
-_HOLD = 64 << 20
 
 
 class Comparison:
@@ -117,7 +113,7 @@ class Comparison:
                 added = Deferred(alone, baseline or ref_out)
             self.jobs.append((rows[0], Deferred(outs, ref_out), added, down))
             self.held += self.jobs[-1][1].held + added.held
-            if self.held > _HOLD:
+            if self.held > HOLD:
                 self.flush()
             self.rows.update((v, rows[0]) for v in eqn.outvars)
         return outs

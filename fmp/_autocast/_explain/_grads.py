@@ -30,8 +30,10 @@ from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import is_rounding
 from fmp._autocast._engine._context import REGION_SCOPE, aval_of, float_names
 from fmp._autocast._engine._interp import bind
+from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._rows import source
-from fmp._autocast._explain._stats import JAX_OPS, output_stats
+from fmp._autocast._explain._cache import Traces, jitted, signature
+from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
 from fmp._core._rules import RuleSet
 from fmp._report import _grads as gr
 from fmp._report._blame import backward_suggestion
@@ -63,6 +65,10 @@ class _Runs:
         self.wide, self.forward, self.rules, self.scale, self.fp16 = np.dtype(wide), forward, rules, scale, fp16
         self.rows: list[OpRecord] = []
         self.range = (math.inf, 0.0)  # smallest nonzero and largest |value| of the float16 backward values
+        # rows whose statistics are on their way (row, output stats, added-error stats, float16 values to
+        # measure), resolved together (``flush``): no transfer from the device per operation
+        self.jobs: list[tuple[OpRecord, Deferred, Deferred, tuple[list, list] | None]] = []
+        self.held = 0  # bytes the jobs hold
 
     def lift(self, x: Any) -> Any:
         return jnp.asarray(x, self.wide) if _is_low(getattr(x, "dtype", None)) else x
@@ -137,6 +143,10 @@ class _Runs:
         return v
 
     def _lift_closed(self, closed: ClosedJaxpr) -> ClosedJaxpr:
+        # traced once per body and dtype: a repeated call binds the same lifted body (JAX's caches hold)
+        return _LIFTED_BODIES.of(closed, (id(closed), self.wide.name), lambda: self._lift_closed_uncached(closed))
+
+    def _lift_closed_uncached(self, closed: ClosedJaxpr) -> ClosedJaxpr:
         avals = [
             jax.ShapeDtypeStruct(a.shape, self.wide if _is_low(a.dtype) else a.dtype, weak_type=a.weak_type)
             for a in closed.in_avals
@@ -173,7 +183,7 @@ class _Runs:
         alone = bind(eqn, arrived, eqn.params)
         base = s_outs if back is None else self.lifted(eqn, back)
         row = OpRecord(
-            index=len(self.rows),
+            index=len(self.rows) + len(self.jobs),
             op=eqn.primitive.name,
             source=short_source(full),
             scope=scope,
@@ -183,18 +193,31 @@ class _Runs:
             out_before=float_names([aval_of(x) for x in s_outs]),
             out_after=float_names([aval_of(x) for x in outs]),
             source_full=full,
-            underflow=self._underflow(outs, s_outs),
         )
-        row = with_stats(row, output_stats(outs, s_outs), output_stats(alone, base)[0])
-        fix = backward_suggestion(row, self.forward, self.rules)
-        self.rows.append(row if fix is None else dataclasses.replace(row, suggestion=fix))
+        low = [s for o, s in zip(outs, s_outs, strict=True) if getattr(o, "dtype", None) == jnp.float16]
+        out, added = Deferred(outs, s_outs), Deferred(alone, base)
+        self.jobs.append((row, out, added, low if self.fp16 and low else None))
+        self.held += out.held + added.held + sum(x.nbytes for x in low if self.fp16)
+        if self.held > HOLD:
+            self.flush()
 
-    def _underflow(self, outs: list[Any], s_outs: list[Any]) -> float | None:
-        """Under float16: the fraction of the lifted values' nonzero elements below float16's normal range."""
-        held = [(np.asarray(s, np.float64), o) for o, s in zip(outs, s_outs, strict=True)]
-        held = [r for r, o in held if getattr(o, "dtype", None) == jnp.float16]
-        if not (self.fp16 and held):
+    def flush(self) -> None:
+        """Fills in the statistics of the rows made so far (one transfer from the device for all)."""
+        jobs, self.jobs, self.held = self.jobs, [], 0
+        resolve([d for _, out, added, _ in jobs for d in (out, added)])
+        lifted = jax.device_get([low for *_, low in jobs])
+        for (row, out, added, _), low in zip(jobs, lifted, strict=True):
+            row = dataclasses.replace(row, underflow=self._underflow(low))
+            row = with_stats(row, out.result(), added.result()[0])
+            fix = backward_suggestion(row, self.forward, self.rules)
+            self.rows.append(row if fix is None else dataclasses.replace(row, suggestion=fix))
+
+    def _underflow(self, low: list[Any] | None) -> float | None:
+        """Under float16: the fraction of the lifted values' nonzero elements below float16's normal range
+        (``low``: the lifted values of the float16 outputs; ``None`` when there are none or no float16 policy)."""
+        if low is None:
             return None
+        held = [np.asarray(s, np.float64) for s in low]
         nonzero = lost = 0
         for r in held:
             under, sub, _, _, lo, hi = gr.float16_range(r.ravel(), 1.0)  # the values already carry the scale
@@ -202,6 +225,9 @@ class _Runs:
             nonzero, lost = nonzero + n, lost + (under + sub) * n
             self.range = (min(self.range[0], lo / self.scale), max(self.range[1], hi / self.scale))
         return lost / nonzero if nonzero else 0.0
+
+
+_LIFTED_BODIES = LRU(256)  # (body, its lifted form) by (id, wide dtype name)
 
 
 def _backward(stack: tuple) -> bool:
@@ -218,20 +244,6 @@ def scope_of(stack: tuple) -> str:
     return "/".join(names)
 
 
-def _compiled(f: Callable[..., Any], args: Sequence[Any]) -> Any:
-    """``f(*args)`` under ``jax.jit`` (one compilation, not one per operation), the array leaves traced."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    dyn = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
-
-    def g(*xs: Any) -> Any:
-        full = list(leaves)
-        for i, x in zip(dyn, xs, strict=True):
-            full[i] = x
-        return f(*jax.tree_util.tree_unflatten(tree, full))
-
-    return jax.jit(g)(*(leaves[i] for i in dyn))
-
-
 def compare(
     fn: Callable[..., Any],
     policy_fn: Callable[..., Any],
@@ -242,9 +254,14 @@ def compare(
     fp16: bool,
     forward: Sequence[OpRecord],
     rules: RuleSet,
+    traces: Traces | None = None,
 ) -> gr.GradReport:
-    """The gradient comparison (see the module docstring)."""
-    ref = _compiled(lambda *a: jax.grad(fn, argnums)(*a, **kwargs), args)
+    """The gradient comparison (see the module docstring); ``traces``: what calls of the same ``explain``
+    function share (the compiled gradients and the traced backward of each argument signature)."""
+    traces = Traces() if traces is None else traces
+    key = signature(args, kwargs)
+    # under jax.jit: one compilation, not one per operation (and none again for a repeated call)
+    ref = traces.get("reference", key, lambda: jitted(lambda *a: jax.grad(fn, argnums)(*a, **kwargs), args))(args)
     paths, _ = jax.tree_util.tree_flatten_with_path(ref)
 
     def scaled(*a: Any) -> Any:
@@ -252,14 +269,15 @@ def compare(
         wide = jnp.promote_types(loss.dtype, jnp.float32)  # scaled in float32 at least, as fmp.value_and_grad does
         return loss.astype(wide) * jnp.asarray(scale, wide)
 
-    closed = jax.make_jaxpr(jax.grad(scaled, argnums))(*args)
+    closed = traces.get("backward", key, lambda: jax.make_jaxpr(jax.grad(scaled, argnums))(*args))
     flat = jax.tree_util.tree_leaves(args)
     floats = [np.dtype(x.dtype) for x in flat if jnp.issubdtype(getattr(x, "dtype", np.int32), jnp.floating)]
     wide = np.dtype(np.float64) if np.dtype(np.float64) in floats else np.dtype(np.float32)
     runs = _Runs(wide, forward, rules, scale, fp16)
     s_flat = [runs.lift(x) for x in flat]
     runs.eval(closed.jaxpr, closed.consts, flat, s_flat)
-    grads = jax.tree_util.tree_leaves(_compiled(jax.grad(scaled, argnums), args))
+    runs.flush()
+    grads = jax.tree_util.tree_leaves(traces.get("policy", key, lambda: jitted(jax.grad(scaled, argnums), args))(args))
     if len(grads) != len(paths):
         raise RuntimeError("fmp.explain(grads=True): the policy's gradient has another structure than the reference")
     errors, lo, hi = {}, runs.range[0], runs.range[1]

@@ -22,7 +22,10 @@ import numpy as np
 
 from fmp._report._compare import Stats, array_parts, combine, split_outputs, value_kind, wide_dtype
 
-__all__ = ["JAX_OPS", "Deferred", "output_stats", "resolve"]
+__all__ = ["HOLD", "JAX_OPS", "Deferred", "output_stats", "resolve"]
+
+# statistics are resolved once the arrays they hold reach this many bytes (and at the end)
+HOLD = 64 << 20
 
 
 class JaxCompareOps:
