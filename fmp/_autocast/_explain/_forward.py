@@ -12,6 +12,7 @@ with a clear error.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, Handler, calling
 from fmp._autocast._engine._interp import bind, eval_jaxpr, rewrite_eqn
+from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._provenance import is_inline_call
 from fmp._autocast._explain import _loops
 from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
@@ -73,7 +75,7 @@ class Comparison:
                 self.rows[v] = made[v]
         self.pending, self.pending_rows = None, []
         self.envs.append(env)
-        self.last.append(_last_uses(jaxpr))
+        self.last.append(_LAST_USES.of(jaxpr, id(jaxpr), lambda: _last_uses(jaxpr)))
 
     def leave(self, jaxpr: Jaxpr) -> None:
         env = self.envs.pop()
@@ -150,6 +152,9 @@ class Comparison:
             records[i] = fill(records[i], out.result(), alone.result()[0], self.ctx.rules, up, inputs=made)
 
 
+_LAST_USES = LRU(1024)  # jaxpr -> its ``_last_uses`` (a body evaluated again, in a loop or a repeated call)
+
+
 def _last_uses(jaxpr: Jaxpr) -> dict[int, list[Any]]:
     """``id(equation) -> the variables it is the last to read`` (the jaxpr's outputs are read at its end)."""
     last: dict[Any, JaxprEqn] = {}
@@ -213,7 +218,7 @@ def _refused(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list
 
 def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
     """The rewrite's handlers with every body evaluated on values (or refused, where not yet compared)."""
-    prims = _jax_internals.primitives_by_name()
+    prims = _primitives()
     evaluated: dict[Any, Callable[..., list[Any]]] = {
         core_prims.jit_p: _jit,
         core_prims.remat_p: _remat,
@@ -232,6 +237,17 @@ def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
         else:
             out[prim] = handler if prim in kept else _refused
     return out
+
+
+_PRIMITIVES: list[Any] = [None, {}]  # (modules loaded when it was made, primitives_by_name())
+
+
+def _primitives() -> dict[str, Any]:
+    """``_jax_internals.primitives_by_name()``, looked up again only once more modules are loaded."""
+    if _PRIMITIVES[0] != len(sys.modules):
+        _PRIMITIVES[1] = _jax_internals.primitives_by_name()
+        _PRIMITIVES[0] = len(sys.modules)
+    return _PRIMITIVES[1]
 
 
 def run(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> None:

@@ -122,6 +122,10 @@ class _Runs:
         params = {k: self._param(v) for k, v in eqn.params.items()}
         return bind(eqn, s_ins, params)
 
+    def _as_lifted(self, eqn: JaxprEqn) -> bool:
+        """``lifted`` binds ``eqn`` with its own parameters (nothing in them is widened)."""
+        return eqn.primitive.name != "reduce_precision" and all(self._param(v) is v for v in eqn.params.values())
+
     def _param(self, v: Any) -> Any:
         if isinstance(v, np.dtype) and _is_low(v):
             return self.wide
@@ -180,8 +184,10 @@ class _Runs:
         self, eqn: JaxprEqn, scope: str, full: str, ins: list[Any], s_ins: list[Any], outs: list, s_outs: list
     ) -> None:
         arrived, back = as_arrived(JAX_OPS, s_ins, ins)
-        alone = bind(eqn, arrived, eqn.params)
-        base = s_outs if back is None else self.lifted(eqn, back)
+        if back is None and self._as_lifted(eqn):
+            added = Deferred.exact(s_outs)  # the op alone is the lifted op on the lifted run's inputs: s_outs
+        else:
+            added = Deferred(bind(eqn, arrived, eqn.params), s_outs if back is None else self.lifted(eqn, back))
         row = OpRecord(
             index=len(self.rows) + len(self.jobs),
             op=eqn.primitive.name,
@@ -195,7 +201,7 @@ class _Runs:
             source_full=full,
         )
         low = [s for o, s in zip(outs, s_outs, strict=True) if getattr(o, "dtype", None) == jnp.float16]
-        out, added = Deferred(outs, s_outs), Deferred(alone, base)
+        out = Deferred(outs, s_outs)
         self.jobs.append((row, out, added, low if self.fp16 and low else None))
         self.held += out.held + added.held + sum(x.nbytes for x in low if self.fp16)
         if self.held > HOLD:
