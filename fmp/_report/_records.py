@@ -7,6 +7,7 @@ so a user can put the JAX and the torch precision maps side by side.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from typing import Any
@@ -126,10 +127,15 @@ def short_source(full: str, root: str | None = None) -> str:
     and the bare file name otherwise (a library in site-packages); anything that is not an absolute
     path (``"<stdin>:1 (<module>)"``) is returned as is.
     """
+    return _short(full, root, os.getcwd())  # every row of a report asks: the same few lines, many times
+
+
+@functools.lru_cache(maxsize=4096)
+def _short(full: str, root: str | None, cwd: str) -> str:
     m = _LOCATION.fullmatch(full)
     if m is None or not os.path.isabs(m["path"]):
         return full
-    path, root = os.path.normpath(m["path"]), os.path.abspath(root or os.getcwd())
+    path, root = os.path.normpath(m["path"]), os.path.abspath(root or cwd)
     try:
         inside = os.path.commonpath([path, root]) == root
     except ValueError:  # another drive
