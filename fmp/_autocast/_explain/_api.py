@@ -77,7 +77,9 @@ def explain(
     of the ``argnums`` arguments (its key path, as ``jax.tree_util.keystr``
     writes it) to a ``GradError``: the relative L2 error and cosine of
     ``jax.grad(fmp.autocast(fn, ...))`` (compiled, as users train) against
-    ``jax.grad(fn)`` of the program as written. ``report.grad_rows`` holds one
+    ``jax.grad(fn)`` of the program as written (both compiled once: a repeated
+    call on arguments of the same structure, shapes and non-array values reuses
+    them, as ``jax.jit`` would). ``report.grad_rows`` holds one
     row per backward operation with the forward rows' fields, compared with the
     same backward evaluated with every float16/bfloat16 dtype widened (for a
     program that writes no low-precision dtypes itself, the reference's own

@@ -67,7 +67,7 @@ class _Runs:
         self.range = (math.inf, 0.0)  # smallest nonzero and largest |value| of the float16 backward values
         # rows whose statistics are on their way (row, output stats, added-error stats, float16 values to
         # measure), resolved together (``flush``): no transfer from the device per operation
-        self.jobs: list[tuple[OpRecord, Deferred, Deferred, tuple[list, list] | None]] = []
+        self.jobs: list[tuple[OpRecord, Deferred, Deferred, list[Any] | None]] = []
         self.held = 0  # bytes the jobs hold
 
     def lift(self, x: Any) -> Any:
