@@ -1,4 +1,4 @@
-"""Gallery: float8 training against bfloat16 (the main job's MLP and a 2-block pre-LN transformer)."""
+"""Gallery: float8 training against bfloat16 (a digits MLP classifier and a 2-block pre-LN transformer)."""
 
 from __future__ import annotations
 
