@@ -89,6 +89,15 @@ def _stronger(values: dict[str, str], key: str, value: str) -> None:
         values[key] = value
 
 
+def _fix_value(c: OpRecord) -> str:
+    """What a fix runs culprit ``c`` in: float32, or, for a float8 matmul, its compute dtype."""
+    return keep_value(c) if c.category == "float8" else "float32"
+
+
+def _overrides_text(keys: dict[str, str]) -> str:
+    return "overrides={" + ", ".join(f'"{k}": "{v}"' for k, v in keys.items()) + "}"
+
+
 def fix_code(culprits: Sequence[OpRecord], rules: RuleSet, framework: str = "jax") -> str:
     """Code to paste that runs ``culprits`` in float32 (a float8 matmul: in its compute dtype, ``keep_value``):
     an override of each one's scope (or, outside any scope, of its source location); a rule-table move
@@ -98,12 +107,12 @@ def fix_code(culprits: Sequence[OpRecord], rules: RuleSet, framework: str = "jax
     for c in culprits:
         key = c.scope or location_key(c)
         if key:
-            _stronger(keys, key, keep_value(c) if c.category == "float8" else "float32")
+            _stronger(keys, key, _fix_value(c))
         else:
             moved.append(c.op)
     parts = []
     if keys:
-        parts.append("overrides={" + ", ".join(f'"{k}": "{v}"' for k, v in keys.items()) + "}")
+        parts.append(_overrides_text(keys))
     if moved:
         parts.append(rules_code(rules, moved, framework))
     return ", ".join(parts)
@@ -199,8 +208,7 @@ def localised(records: Sequence[OpRecord]) -> tuple[OpRecord, ...]:
             if c.scope and _crowded(c.scope, records, named) and location_key(c):
                 key = location_key(c)
             if key:
-                _stronger(keys, key, keep_value(c) if c.category == "float8" else "float32")
+                _stronger(keys, key, _fix_value(c))
         end = r.suggestion.index("}") + 1  # the overrides dict (keys hold no "}"), then any rules= part
-        text = "overrides={" + ", ".join(f'"{k}": "{v}"' for k, v in keys.items()) + "}"
-        out.append(dataclasses.replace(r, suggestion=text + r.suggestion[end:]) if keys else r)
+        out.append(dataclasses.replace(r, suggestion=_overrides_text(keys) + r.suggestion[end:]) if keys else r)
     return tuple(out)
