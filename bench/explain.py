@@ -4,15 +4,17 @@ Run ``python bench/explain.py`` from the repository root; it prints one markdown
 the bench transformer of ``bench/autocast.py`` (2 pre-LN blocks, B=8, T=128, D=256, its mean-square loss) and
 a flax linen encoder (4 blocks, B=8, T=64, D=128, the same loss), under ``mixed_bfloat16``:
 
-- warm: a repeated ``explain(compare=True)`` call against a repeated eager forward (op by op, no jit), and a
+- warm: a repeated ``explain(compare=True)`` call against a repeated eager forward (op by op, no jit), the
+  same call with the comparison run op by op (as for a program with loops or float8), and a
   repeated ``explain(compare=True, grads=True)`` call against a repeated eager ``jax.grad`` (no jit); each
   the minimum over ``--repeat`` rounds, the four measured in turn in every round (side by side, so a
   shared machine's load weighs on all alike);
 - cold: the first call in a fresh process against the first eager forward (or ``jax.grad``) in another
   (median over ``--runs`` process sets; every process pays JAX's start-up on a small warm-up first, so what
   is compared is the compilation of what the call runs, and the work);
-- memory: the most bytes of live arrays while the forward comparison runs (beyond the arguments), sampled at
-  every op, against the forward's activations (the bytes of every value the float32 program computes).
+- memory, against the forward's activations (the bytes of every value the float32 program computes): the
+  bytes XLA assigns the compiled comparison beyond its arguments (temporaries and outputs), and the most bytes
+  of live arrays while the comparison runs op by op (beyond the arguments), sampled at every op.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import autocast as bench_autocast  # noqa: E402
 
 import fmp  # noqa: E402
-from fmp._autocast._explain import _forward  # noqa: E402
+from fmp._autocast._explain import _compiled, _forward  # noqa: E402
 
 MODELS = ("bench transformer", "linen encoder")
 
@@ -78,10 +80,11 @@ def activation_bytes(fn: Callable[..., Any], *args: Any) -> int:
 
 
 def peak_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
-    """The most bytes of live arrays beyond ``args`` while ``explain(compare=True)`` runs, sampled per op."""
+    """The most bytes of live arrays beyond ``args`` while ``explain(compare=True)`` runs op by op (as it does
+    for programs with loops or float8, or whose statistics need the arrays), sampled per op."""
     base = sum(a.nbytes for a in jax.live_arrays())
     peak = 0
-    step = _forward.Comparison.step
+    step, compiled = _forward.Comparison.step, _compiled.run
 
     def sampled(self: Any, *a: Any) -> Any:
         nonlocal peak
@@ -90,11 +93,30 @@ def peak_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
         return out
 
     _forward.Comparison.step = sampled  # type: ignore[method-assign]
+    _compiled.run = lambda *a: False  # op by op
     try:
         fmp.explain(fn, "mixed_bfloat16", compare=True)(*args)
     finally:
-        _forward.Comparison.step = step  # type: ignore[method-assign]
+        _forward.Comparison.step, _compiled.run = step, compiled  # type: ignore[method-assign]
     return peak
+
+
+def program_bytes(fn: Callable[..., Any], args: tuple[Any, ...]) -> int:
+    """The bytes XLA assigns the compiled comparison beyond its arguments (its temporaries and outputs)."""
+    built: list[Any] = []
+    build = _compiled._build
+
+    def kept(*a: Any) -> Any:
+        built.append(build(*a))
+        return built[-1]
+
+    _compiled._build = kept
+    try:
+        fmp.explain(fn, "mixed_bfloat16", compare=True)(*args)
+    finally:
+        _compiled._build = build
+    memory = built[0].compiled.memory_analysis()
+    return memory.temp_size_in_bytes + memory.output_size_in_bytes
 
 
 def _runner(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -115,19 +137,34 @@ def warm(name: str, repeat: int) -> dict[str, Any]:
     calls = {kind: _runner(kind, fn) for kind in KINDS}
     for call in calls.values():
         jax.block_until_ready(call(*args))  # every op compiled
-    t = _best({kind: (lambda c=call: c(*args)) for kind, call in calls.items()}, repeat)
+    fns = {kind: (lambda c=call: c(*args)) for kind, call in calls.items()}
+    fns["op by op"] = lambda: _op_by_op(calls["explain"], args)
+    t = _best(fns, repeat)
     acts = activation_bytes(fn, *args)
     peak = peak_bytes(fn, args)
+    program = program_bytes(fn, args)
     return {
         "model": name,
         "eager forward (ms)": 1e3 * t["eager"],
         "explain compare (ms)": 1e3 * t["explain"],
         "forward ratio": t["explain"] / t["eager"],
+        "op by op (ms)": f"{1e3 * t['op by op']:.3g} = {t['op by op'] / t['eager']:.2f}x",
         "eager jax.grad (ms)": 1e3 * t["grad"],
         "explain grads (ms)": 1e3 * t["explain grads"],
         "grads ratio": t["explain grads"] / t["grad"],
-        "peak live / activations (MiB)": f"{peak / 2**20:.0f} / {acts / 2**20:.0f} = {peak / acts:.2f}x",
+        "compiled comparison / activations (MiB)": f"{program / 2**20:.0f} / {acts / 2**20:.0f} = {program / acts:.2f}x",
+        "op by op: peak live / activations (MiB)": f"{peak / 2**20:.0f} / {acts / 2**20:.0f} = {peak / acts:.2f}x",
     }
+
+
+def _op_by_op(call: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``call`` with the forward comparison run op by op (as for a program with loops or float8)."""
+    compiled = _compiled.run
+    _compiled.run = lambda *a: False
+    try:
+        return call(*args)
+    finally:
+        _compiled.run = compiled
 
 
 def first_call(kind: str, name: str) -> float:

@@ -187,6 +187,24 @@ def fill(
     return dataclasses.replace(row, suggestion=fix, culprits=tuple(c.index for c in found))
 
 
+def fill_rows(
+    records: list[OpRecord],
+    jobs: Sequence[tuple[int, Stats, Stats, bool]],
+    makers: dict[int, list[int]],
+    rules: RuleSet,
+) -> None:
+    """Writes each job's statistics (``(row, output stats, added-error stats, whether its rule rounded its
+    inputs down)``) into its row of ``records``, with the blame and suggestion they call for; ``makers``: the
+    rows that made each compared row's inputs."""
+    for i, out, alone, down in jobs:  # in program order: the rows upstream of one are filled before it
+
+        def upstream(i: int = i, through: bool = False) -> list[Any] | None:
+            return charged(makers.get(i, ()), lambda n: makers.get(n, ()), records.__getitem__, through)
+
+        made = [records[k] for k in makers.get(i, ())]
+        records[i] = fill(records[i], out, alone[0], rules, None if down else upstream, inputs=made)
+
+
 def backward_suggestion(row: OpRecord, forward: Sequence[OpRecord], rules: RuleSet) -> str | None:
     """The fix of a backward row whose own error is large or non-finite: the forward rows of the op it
     differentiates (the same source line and scope) that ran in low precision, since a backward op runs in

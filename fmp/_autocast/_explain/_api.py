@@ -10,8 +10,9 @@ import jax.numpy as jnp
 
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
+from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._rows import flops
-from fmp._autocast._explain import _cache, _forward, _grads
+from fmp._autocast._explain import _cache, _compiled, _forward, _grads
 from fmp._autocast._float8_checks import check_state
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._autocast._wrap import autocast
@@ -71,7 +72,10 @@ def explain(
     one's errors, with ``error_mean`` / ``added_error_mean``; an op that writes
     the carry is charged the error the carry ends with); a ``cond`` is compared
     in the branch the policy run takes. ``shard_map`` bodies and linear solves
-    are not compared yet (a ``NotImplementedError`` says so).
+    are not compared yet (a ``NotImplementedError`` says so). A program without
+    loops, branches or float8 is compared as one compiled program, kept for the
+    next call of the same program on arguments of the same types (its roundings
+    are those of the op-by-op comparison, which every other call runs).
 
     With ``grads=True`` as well, ``report.grad_errors`` maps each gradient leaf
     of the ``argnums`` arguments (its key path, as ``jax.tree_util.keystr``
@@ -148,6 +152,7 @@ def explain(
         check_state(fp8_state, config.policy, config.overrides, str(config.policy))
 
     traces = _cache.Traces()  # the compiled gradients of each argument signature, for repeated calls
+    programs = LRU(8)  # the compiled forward comparisons of the programs seen last (``_compiled``)
     policy_fn = autocast(fn, policy, rules=rules, overrides=overrides) if grads else None
 
     def run(*args: Any, **kwargs: Any) -> Report:
@@ -155,10 +160,10 @@ def explain(
         closed, arrays, _ = trace(fn, args, kwargs)
         sites = None if fp8_state is None else SiteFeeder(fp8_state)
         ctx = make_context(config, records=[], fp8_sites=sites)
-        if compare:
-            _forward.run(closed, arrays, ctx)
-        else:
+        if not compare:
             rewrite_top(closed, ctx)
+        elif not _compiled.run(closed, arrays, ctx, programs):  # op by op where one program does not do
+            _forward.run(closed, arrays, ctx)
         if sites is not None:
             sites.finish()
         records = choose(tuple(ctx.records or ()), config.rules)  # which float8 matmuls to keep in bfloat16

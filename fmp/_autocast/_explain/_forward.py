@@ -5,52 +5,42 @@ carries one: the step runs the equation under the policy as usual, runs the orig
 reference values (the program as written, on the same inputs), and writes the error statistics of
 the equation's outputs into its explain row. The reference values live beside the interpreter's own,
 one environment per jaxpr being evaluated, so nested bodies (``jit``, ``checkpoint``, custom
-derivative calls, inline helpers, ``scan`` iterations: ``_loops``) are compared equation by
-equation; ``while`` and ``cond`` too. Bodies not evaluated here yet (``shard_map``, linear solves) are refused
-with a clear error.
+derivative calls, inline helpers: ``_bodies``; ``scan``, ``while`` and ``cond``: ``_loops``) are compared
+equation by equation. What a compared equation needs beside the policy run (its reference output, its run
+alone on the reference inputs, the statistics) is one small compiled program per kind of equation
+(``_probe``); traced instead of run (``_compiled``), the whole comparison becomes one program.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
-from jax.extend.core import primitives as core_prims
 
-from fmp._autocast._engine import _jax_internals
-from fmp._autocast._engine._cast import cast
-from fmp._autocast._engine._context import Context, Handler, calling
-from fmp._autocast._engine._interp import bind, eval_jaxpr, rewrite_eqn
+from fmp._autocast._engine._context import Context
+from fmp._autocast._engine._interp import bind, rewrite_eqn
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import is_inline_call
-from fmp._autocast._explain import _loops
+from fmp._autocast._explain import _bodies, _probe
 from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
-from fmp._autocast._hops import _calls
-from fmp._autocast._hops._helpers import helper_call
 from fmp._autocast._transform import run_top
-from fmp._report._blame import charged, fill
+from fmp._report._blame import fill_rows
 from fmp._report._compare import EXACT_OPS, as_arrived
 from fmp._report._records import LOW
-
-_MSG_BODY = (
-    "fmp.explain(compare=True) does not yet compare inside {name!r} bodies (shard_map and linear solves are "
-    "rewritten as traced bodies, which hold no values to compare). Call fmp.explain without compare=True "
-    "for the dtypes, or compare the function the body runs."
-)
 
 
 class Comparison:
     """The reference run beside one explain rewrite: one environment of reference values per jaxpr."""
 
-    def __init__(self, ctx: Context, args: Sequence[Any], rewrite_handlers: Any = None) -> None:
+    def __init__(self, ctx: Context, args: Sequence[Any], rewrite_handlers: Any = None, traced: bool = False) -> None:
         self.ctx = ctx
+        self.traced = traced  # the run is being traced into one program (``_compiled``): statistics stay pending
         self.rewrite_handlers = rewrite_handlers  # the rewrite's own handlers (a loop body's dtypes are found by them)
         self.envs: list[dict[Any, Any]] = []
         self.last: list[dict[int, list[Any]]] = []  # per jaxpr: id(equation) -> variables it reads last
         self.rows: dict[Any, int] = {}  # variable -> index of the explain row of the equation that made it
+        self.out_stats: dict[Any, Deferred] = {}  # variable -> the statistics of the compared row that made it
         # index of a compared row -> the rows that made its inputs (the graph the blame walks upstream)
         self.makers: dict[int, list[int]] = {}
         self.pending: list[Any] | None = list(args)  # reference inputs of the next jaxpr entered
@@ -94,7 +84,25 @@ class Comparison:
         self.pending_rows = [None if isinstance(v, Literal) else self.rows.get(v) for v in eqn.invars]
         outs = rewrite_eqn(eqn, invals, ctx, scope)
         nested = eqn.primitive in ctx.handlers and self.returned is not None
-        ref_out = self.returned if nested else bind(eqn, ref_in, eqn.params)
+        rows = [i for i in range(mark, len(records)) if records[i].category != "cast"]
+        compared = len(rows) == 1 and records[rows[0]].op == eqn.primitive.name and not nested
+        if compared:
+            row = records[rows[0]]
+            casts = [r for r in records[mark:] if r.category == "cast"]
+            down = any(set(r.out_after) & set(LOW) for r in casts)
+            exact = not casts and (_moves_values(eqn, row) or _as_written(row))
+            # the policy run's inputs are the reference's own values (the program's arguments, values made
+            # as written from them): on them the op alone is the policy run itself
+            same = all(x is r for x, r, v in zip(invals, ref_in, eqn.invars, strict=True) if not isinstance(v, Literal))
+            moved = self._moved(eqn) if exact else None
+            if moved is not None:  # the same values, rearranged: the same statistics
+                ref_out, out, added = bind(eqn, ref_in, eqn.params), moved, Deferred.exact(outs)
+            else:
+                ref_out, out, added = self._compared(eqn, invals, outs, ref_in, row, scope, exact, same)
+            if len(eqn.outvars) == 1:
+                self.out_stats[eqn.outvars[0]] = out
+        else:
+            ref_out = self.returned if nested else bind(eqn, ref_in, eqn.params)
         self.pending = self.returned = None
         env.update(zip(eqn.outvars, ref_out, strict=True))
         for v in self.last[-1].get(id(eqn), ()):
@@ -103,22 +111,53 @@ class Comparison:
             self.rows.pop(v, None)  # set again below where a row made it
         if nested:
             self.rows.update((v, i) for v, i in zip(eqn.outvars, self.returned_rows, strict=True) if i is not None)
-        rows = [i for i in range(mark, len(records)) if records[i].category != "cast"]
-        if len(rows) == 1 and records[rows[0]].op == eqn.primitive.name and not nested:
+        if compared:
             self.makers[rows[0]] = [self.rows[v] for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
-            casts = [r for r in records[mark:] if r.category == "cast"]
-            down = any(set(r.out_after) & set(LOW) for r in casts)
-            if not casts and (_moves_values(eqn, records[rows[0]]) or _as_written(records[rows[0]])):
-                added = Deferred.exact(outs)  # on the reference inputs the op computes the reference output
-            else:
-                alone, baseline = self._alone(eqn, invals, ref_in, scope)
-                added = Deferred(alone, baseline or ref_out)
-            self.jobs.append((rows[0], Deferred(outs, ref_out), added, down))
-            self.held += self.jobs[-1][1].held + added.held
-            if self.held > HOLD:
+            self.jobs.append((rows[0], out, added, down))
+            self.held += out.held + (added.held if added is not out else 0)
+            if self.held > HOLD and not self.traced:
                 self.flush()
             self.rows.update((v, rows[0]) for v in eqn.outvars)
         return outs
+
+    def _moved(self, eqn: JaxprEqn) -> Deferred | None:
+        """For an op that only rearranges or repeats (uniformly) the elements of one compared value, that
+        value's statistics: its relative error, largest error and largest value are those of its input."""
+        if eqn.primitive.name not in _REARRANGES or len(eqn.outvars) != 1:
+            return None
+        src = [v for v in eqn.invars if not isinstance(v, Literal)]
+        return self.out_stats.get(src[0]) if len(src) == 1 else None
+
+    def _compared(
+        self,
+        eqn: JaxprEqn,
+        invals: list[Any],
+        outs: list[Any],
+        ref_in: list[Any],
+        row: Any,
+        scope: str,
+        exact: bool,
+        same: bool,
+    ) -> tuple[list[Any], Deferred, Deferred]:
+        """The reference outputs of a compared equation, the statistics of its outputs against them and those
+        of the error it adds by itself (``exact``: none; ``same`` inputs: its output's)."""
+        if exact and same:  # the op as written on the reference's own values: the reference output itself
+            return outs, Deferred(outs, outs), Deferred.exact(outs)
+        k = _probe.key(eqn, invals, outs, ref_in, row, self.ctx, scope, exact or same)
+        if k is not None:
+            ref_out, sums, alone, baseline, added_sums = _probe.run(
+                k, eqn, invals, outs, ref_in, self.ctx, scope, exact or same, self.traced
+            )
+            out = Deferred(outs, ref_out, sums)
+            if exact or same:
+                return ref_out, out, Deferred.exact(outs) if exact else out
+            return ref_out, out, Deferred(alone, baseline or ref_out, added_sums, error_only=True)
+        ref_out = bind(eqn, ref_in, eqn.params)
+        out = Deferred(outs, ref_out)
+        if exact or same:
+            return ref_out, out, Deferred.exact(outs) if exact else out
+        alone, baseline = self._alone(eqn, invals, ref_in, scope)
+        return ref_out, out, Deferred(alone, baseline or ref_out, error_only=True)
 
     def _alone(self, eqn: JaxprEqn, invals: list[Any], ref_in: list[Any], scope: str) -> tuple[list[Any], Any]:
         """What ``eqn`` adds by itself: its policy run on the reference inputs, and the baseline to compare with.
@@ -130,6 +169,7 @@ class Comparison:
         """
         ctx = self.ctx
         arrived, back = as_arrived(JAX_OPS, ref_in, invals)
+        arrived = _probe.constants_kept(arrived, invals)
         saved, ctx.records = ctx.records, None  # no rows for this second run
         try:
             alone = rewrite_eqn(eqn, arrived, ctx, scope)
@@ -142,15 +182,12 @@ class Comparison:
         jobs, self.jobs, self.held = self.jobs, [], 0
         resolve([d for _, out, alone, _ in jobs for d in (out, alone)])
         records = self.ctx.records if self.ctx.records is not None else []
-        for i, out, alone, down in jobs:  # in program order: the rows upstream of one are filled before it
+        jobs_done = [(i, out.result(), alone.result(), down) for i, out, alone, down in jobs]
+        fill_rows(records, jobs_done, self.makers, self.ctx.rules)
 
-            def upstream(i: int = i, through: bool = False) -> list[Any] | None:
-                return charged(self.makers.get(i, ()), lambda n: self.makers.get(n, ()), records.__getitem__, through)
 
-            made = [records[k] for k in self.makers.get(i, ())]
-            up = None if down else upstream
-            records[i] = fill(records[i], out.result(), alone.result()[0], self.ctx.rules, up, inputs=made)
-
+# ops whose one output holds their one input's elements, each the same number of times
+_REARRANGES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p", "rev"})
 
 _LAST_USES = LRU(1024)  # jaxpr -> its ``_last_uses`` (a body evaluated again, in a loop or a repeated call)
 
@@ -182,74 +219,6 @@ def _as_written(row: Any) -> bool:
     return row.category != "float8" and row.in_after == row.in_before and row.out_after == row.out_before
 
 
-def _evaluated(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    return eval_jaxpr(closed.jaxpr, closed.consts, _loops.as_body_inputs(invals), ctx, scope)
-
-
-def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    # what the rewrite does with a user's jit (its body rewritten for the current input dtypes), evaluated
-    if is_inline_call(eqn):
-        return helper_call(eqn, invals, ctx, scope)  # explain inlines helpers: evaluated in this trace
-    with calling(ctx, eqn):
-        return _evaluated(eqn.params["jaxpr"], invals, ctx, scope)
-
-
-def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    return _evaluated(_jax_internals.as_closed(eqn.params["jaxpr"]), invals, ctx, scope)
-
-
-def _call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    # a call whose body the rewrite rewrites (_calls.rewrite_call: closed_call, eval_jaxpr, compute_on, ...)
-    body = eqn.params[_jax_internals.body_param(eqn.params)]
-    return _evaluated(_jax_internals.as_closed(body), invals, ctx, scope)
-
-
-def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    # the primal body keeps the call's input and output dtypes, as the rewrite's custom-call handler does
-    closed: ClosedJaxpr = eqn.params["call_jaxpr"]
-    pinned = [cast(x, a.dtype, ctx) if hasattr(a, "dtype") else x for x, a in zip(invals, closed.in_avals, strict=True)]
-    outs = _evaluated(closed, pinned, ctx, scope)
-    return [cast(o, a.dtype, ctx) if hasattr(a, "dtype") else o for o, a in zip(outs, closed.out_avals, strict=True)]
-
-
-def _refused(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
-    raise NotImplementedError(_MSG_BODY.format(name=eqn.primitive.name))
-
-
-def compare_handlers(handlers: dict[Any, Handler]) -> dict[Any, Handler]:
-    """The rewrite's handlers with every body evaluated on values (or refused, where not yet compared)."""
-    prims = _primitives()
-    evaluated: dict[Any, Callable[..., list[Any]]] = {
-        core_prims.jit_p: _jit,
-        core_prims.remat_p: _remat,
-        core_prims.custom_jvp_call_p: _custom,
-        core_prims.custom_vjp_call_p: _custom,
-        core_prims.scan_p: _loops.scan,
-        core_prims.while_p: _loops.while_loop,
-        core_prims.cond_p: _loops.cond,
-    }
-    evaluated.update({p: _call for p, h in handlers.items() if h is _calls.rewrite_call})
-    kept = {prims[n] for n in (*_calls.REFUSED, *_calls.AS_WRITTEN) if n in prims}
-    out: dict[Any, Handler] = {}
-    for prim, handler in handlers.items():
-        if prim in evaluated:
-            out[prim] = evaluated[prim]
-        else:
-            out[prim] = handler if prim in kept else _refused
-    return out
-
-
-_PRIMITIVES: list[Any] = [None, {}]  # (modules loaded when it was made, primitives_by_name())
-
-
-def _primitives() -> dict[str, Any]:
-    """``_jax_internals.primitives_by_name()``, looked up again only once more modules are loaded."""
-    if _PRIMITIVES[0] != len(sys.modules):
-        _PRIMITIVES[1] = _jax_internals.primitives_by_name()
-        _PRIMITIVES[0] = len(sys.modules)
-    return _PRIMITIVES[1]
-
-
 def run(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> None:
     """Runs ``closed`` under ``ctx`` and as written, side by side; the errors land in ``ctx.records``."""
     if any(isinstance(x, jax.core.Tracer) for x in args):
@@ -257,8 +226,13 @@ def run(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> None:
             "fmp.explain(compare=True) runs the program to compare values; it got traced arguments. "
             "Call it outside jit/grad/vmap, on concrete arrays."
         )
-    rewrite_handlers = ctx.handlers
-    ctx.handlers = compare_handlers(dict(ctx.handlers))
-    ctx.compare = Comparison(ctx, args, rewrite_handlers)
+    start(ctx, args)
     run_top(closed, args, ctx)
     ctx.compare.flush()
+
+
+def start(ctx: Context, args: Sequence[Any], traced: bool = False) -> None:
+    """Makes ``ctx`` compare: every body evaluated on values, a ``Comparison`` beside the run."""
+    rewrite_handlers = ctx.handlers
+    ctx.handlers = _bodies.compare_handlers(dict(ctx.handlers))
+    ctx.compare = Comparison(ctx, args, rewrite_handlers, traced)

@@ -22,7 +22,7 @@ import numpy as np
 
 from fmp._report._compare import Stats, array_parts, combine, split_outputs, value_kind, wide_dtype
 
-__all__ = ["HOLD", "JAX_OPS", "Deferred", "output_stats", "resolve"]
+__all__ = ["HOLD", "JAX_OPS", "Deferred", "device_sums", "from_fetched", "output_stats", "resolve"]
 
 # statistics are resolved once the arrays they hold reach this many bytes (and at the end)
 HOLD = 64 << 20
@@ -62,15 +62,26 @@ JAX_OPS = JaxCompareOps()
 class Deferred:
     """``output_stats`` of ``outs`` against ``refs``, started on the device; ``value`` once resolved."""
 
-    def __init__(self, outs: Sequence[Any], refs: Sequence[Any]) -> None:
+    def __init__(
+        self, outs: Sequence[Any], refs: Sequence[Any], sums: Sequence[Any] | None = None, error_only: bool = False
+    ) -> None:
+        """``sums``: the plain sums of the large floating pairs (``device_sums(outs, refs)``), where a
+        compiled program already computed them; else they are started here. ``error_only``: only the
+        relative error is read (an op's added error): the largest values are not computed (half the
+        reductions), and the other statistics of the result mean nothing."""
         self.device: list[Any] = []  # (plain sums, p, r, wide) of the large floating outputs
         self.host: list[tuple[Any, Any]] = []  # small floating outputs and their references, reduced on the host
         self.value: Stats | None = None
         floats, self.discrete = split_outputs(JAX_OPS, outs, refs)
+        given = iter(sums) if sums is not None else None
         for p, r in floats:
             wide = jnp.dtype(wide_dtype(JAX_OPS.dtype_name(p), JAX_OPS.dtype_name(r)))
             if np.size(r) >= _ON_DEVICE:
-                self.device.append((_plain_sums(p, r, wide), p, r, wide))
+                if given is None:
+                    given_sums = _sums(p, r, wide, error_only)
+                else:
+                    given_sums = next(given)
+                self.device.append((given_sums, p, r, wide))
             else:
                 self.host.append((p, r))
 
@@ -93,6 +104,11 @@ class Deferred:
         """Bytes of the large arrays held until ``resolve``."""
         return sum(p.nbytes + r.nbytes for _, p, r, _ in self.device)
 
+    @property
+    def wides(self) -> list[Any]:
+        """The dtype of each large output's plain sums (what ``from_fetched`` checks them in)."""
+        return [wide for _, _, _, wide in self.device]
+
     def _pending(self) -> list[Any]:
         return [[sums for sums, _, _, _ in self.device], self.host, self.discrete]
 
@@ -106,7 +122,7 @@ class Deferred:
 
 def resolve(deferred: Sequence[Deferred]) -> None:
     """Fetches the statistics of every unresolved ``Deferred`` in one transfer and sets their ``value``."""
-    todo = [d for d in deferred if d.value is None]
+    todo = list({id(d): d for d in deferred if d.value is None}.values())  # one may stand for two rows' parts
     fetched = jax.device_get([d._pending() for d in todo])
     redo = {
         id(entry): _float_stats(entry[1], entry[2], entry[3])
@@ -117,6 +133,56 @@ def resolve(deferred: Sequence[Deferred]) -> None:
     scaled = jax.device_get(redo)
     for d, got in zip(todo, fetched, strict=True):
         d._finish(got, scaled)
+
+
+def from_fetched(wides: Sequence[Any], fetched: Sequence[Any]) -> Stats | None:
+    """The statistics from a ``Deferred``'s fetched pending values (its ``_pending()``, computed elsewhere:
+    ``_compiled``) and its ``wides``; ``None`` where a plain sum is not exact enough (the arrays it would
+    recompute from are not at hand)."""
+    device, host, discrete = fetched
+    if not all(_plain(sums, wide) for sums, wide in zip(device, wides, strict=True)):
+        return None
+    flips = sum(JAX_OPS.changed(p, r) for p, r in discrete)
+    return combine([*(_from_sums(*sums) for sums in device), *(JAX_OPS.parts(p, r) for p, r in host)], flips)
+
+
+def device_sums(outs: Sequence[Any], refs: Sequence[Any], error_only: bool = False) -> list[Any]:
+    """The plain sums ``Deferred(outs, refs, error_only=)`` starts on the device, in its order: for use inside a
+    compiled program that also makes ``outs`` or ``refs`` (``Deferred(..., sums=)`` then takes them)."""
+    floats, _ = split_outputs(JAX_OPS, outs, refs)
+    return [
+        _sums(p, r, jnp.dtype(wide_dtype(JAX_OPS.dtype_name(p), JAX_OPS.dtype_name(r))), error_only)
+        for p, r in floats
+        if np.size(r) >= _ON_DEVICE
+    ]
+
+
+def _sums(p: Any, r: Any, wide: Any, error_only: bool) -> Any:
+    """The plain sums of one pair. On arrays: one small compiled function on values already in memory.
+    Inside a program being traced (``_compiled``, ``_probe``): a single pass that XLA's own emitter runs, in
+    which a rounding made upstream is kept (XLA CPU's YNNPACK reductions, which the four plain ones become,
+    may drop a round trip to bfloat16 fused into them, and so report no error)."""
+    if p is r:
+        return _plain_sums(p, r, wide)  # no rounding between them: any reduction will do
+    if isinstance(p, jax.core.Tracer) or isinstance(r, jax.core.Tracer):
+        return _one_pass_sums(p, r, wide)
+    return _error_sums(p, r, wide) if error_only else _plain_sums(p, r, wide)
+
+
+def _one_pass_sums(p: Any, r: Any, wide: Any) -> Any:
+    """``_plain_sums`` as one variadic reduction over rows of up to 128 elements, then over the rows' partial
+    results (summed in short runs: as exact as the plain sums)."""
+    n = int(np.size(r))
+    row = next((w for w in (128, 64, 32, 16, 8, 4, 2) if n % w == 0), 1)
+    p, r = p.astype(wide).reshape(-1, row), r.astype(wide).reshape(-1, row)
+    d = p - r
+    zero = jnp.zeros((), wide)
+
+    def step(a: Any, b: Any) -> Any:
+        return a[0] + b[0], a[1] + b[1], jnp.maximum(a[2], b[2]), jnp.maximum(a[3], b[3])
+
+    s_r, s_d, d_max, r_max = jax.lax.reduce((r * r, d * d, jnp.abs(d), jnp.abs(r)), (zero,) * 4, step, (1,))
+    return jnp.stack([jnp.sum(s_r), jnp.sum(s_d), jnp.max(d_max, initial=0.0), jnp.max(r_max, initial=0.0)])
 
 
 def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> Stats:
@@ -143,6 +209,16 @@ def _plain_sums(p: Any, r: Any, wide: Any) -> Any:
     d = p - r
     sums = jnp.sum(r * r), jnp.sum(d * d), jnp.max(jnp.abs(d), initial=0.0), jnp.max(jnp.abs(r), initial=0.0)
     return jnp.stack(sums)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _error_sums(p: Any, r: Any, wide: Any) -> Any:
+    """``_plain_sums`` for a relative error only: the two sums of squares, and 1 for both largest values
+    (``_from_sums`` then leaves the sums unscaled)."""
+    p, r = p.astype(wide), r.astype(wide)
+    d = p - r
+    one = jnp.ones((), wide)
+    return jnp.stack([jnp.sum(r * r), jnp.sum(d * d), one, one])
 
 
 def _plain(sums: Any, wide: Any) -> bool:

@@ -1,0 +1,137 @@
+"""A repeated ``fmp.explain(compare=True)`` call as one compiled program.
+
+The comparison (``_forward``) interprets the program op by op: the policy run, the reference run and what
+each op adds by itself, streaming. Traced instead of run, the same interpretation gives one program whose
+outputs are the statistics of every compared op; its rows (dtypes, sources, scopes) come out of the trace.
+A call whose program was seen before by this ``explain`` function (the same jaxpr, argument types and
+constants) runs that compiled program and fills the rows from its statistics, which are those of the
+op-by-op run: XLA compiles it with ``xla_allow_excess_precision`` off, so every rounding to a low-precision
+dtype that the op-by-op run makes is made in it too.
+
+What it does not cover goes op by op, as before: programs with loops or branches (``scan``, ``while``,
+``cond``: compared per iteration, on values), float8 recipes, and a call whose statistics need the arrays
+themselves (a non-finite value or a sum out of float32's range: ``_stats.from_fetched`` is ``None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
+
+from fmp._autocast._engine._context import Context
+from fmp._autocast._engine._lru import LRU
+from fmp._autocast._explain import _forward
+from fmp._autocast._explain._probe import OPTIONS
+from fmp._autocast._explain._stats import from_fetched
+from fmp._autocast._transform import run_top
+from fmp._report._blame import fill_rows
+
+_PER_VALUE = frozenset({"scan", "while", "cond"})  # compared on values, iteration by iteration
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled comparison: the program, the rows its trace made, and how its outputs fill them."""
+
+    compiled: Any
+    records: tuple[Any, ...]
+    # per compared row: (row, index of its output statistics in the program's outputs or the exact value,
+    # the same for its added error, whether the op's rule rounded its inputs down)
+    jobs: tuple[tuple[int, Any, Any, bool], ...]
+    wides: tuple[tuple[Any, ...], ...]  # per program output: the dtypes of its plain sums
+    makers: dict[int, list[int]]
+    keep: tuple[Any, ...]  # the constants the key names by identity (kept alive, so no id is reused)
+
+
+def run(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, programs: LRU) -> bool:
+    """Fills ``ctx.records`` from a compiled comparison of ``closed`` on ``arrays``; ``False`` where the call
+    has to go op by op (``ctx`` is then as it came)."""
+    if ctx.fp8_sites is not None or ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.overrides):
+        return False
+    if any(isinstance(x, jax.core.Tracer) for x in arrays) or _per_value(closed.jaxpr):
+        return False  # traced arguments: refused op by op, with its message
+    k = _key(closed, arrays)
+    if k is None:
+        return False
+    program = programs.get(k)
+    if program is None:
+        program = programs.put(k, _build(closed, arrays, ctx))
+    fetched = jax.device_get(program.compiled(*arrays))
+    values = [from_fetched(w, got) for w, got in zip(program.wides, fetched, strict=True)]
+    if any(v is None for v in values):
+        return False
+    records = list(program.records)
+    jobs = [(i, _value(out, values), _value(added, values), down) for i, out, added, down in program.jobs]
+    fill_rows(records, jobs, program.makers, ctx.rules)
+    ctx.records = records
+    return True
+
+
+def _value(spec: Any, values: list[Any]) -> Any:
+    return values[spec] if isinstance(spec, int) else spec
+
+
+def _per_value(jaxpr: Jaxpr) -> bool:
+    """Whether ``jaxpr`` holds an equation compared on values (a loop or a branch), at any depth."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _PER_VALUE:
+            return True
+        if any(_per_value(sub.jaxpr if hasattr(sub, "jaxpr") else sub) for sub in jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
+    """The program's text, the arguments' types, its constants (arrays by identity: a JAX array never changes;
+    a NumPy one by its bytes too)."""
+    consts: list[Any] = []
+    for c in closed.consts:
+        if isinstance(c, np.ndarray):
+            consts.append((id(c), c.dtype.name, c.shape, c.tobytes()))
+        elif isinstance(c, jax.Array):
+            consts.append(id(c))
+        else:
+            try:
+                hash(c)
+            except TypeError:
+                return None
+            consts.append((type(c), c))
+    avals = tuple((np.shape(x), np.dtype(x.dtype).name, bool(getattr(x, "weak_type", False))) for x in arrays)
+    return str(closed.jaxpr), avals, tuple(consts)
+
+
+def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context) -> Program:
+    made: dict[str, Any] = {}
+
+    def program(*xs: Any) -> list[Any]:
+        c = dataclasses.replace(ctx, records=[], memos=[])
+        _forward.start(c, xs, traced=True)
+        run_top(closed, xs, c)
+        cmp = c.compare
+        outs: list[Any] = []
+        wides: list[tuple[Any, ...]] = []
+        jobs = []
+
+        index: dict[int, int] = {}
+
+        def spec(d: Any) -> Any:
+            if d.value is not None:
+                return d.value
+            if id(d) not in index:
+                index[id(d)] = len(outs)
+                outs.append(d._pending())
+                wides.append(tuple(d.wides))
+            return index[id(d)]
+
+        for i, out, added, down in cmp.jobs:
+            jobs.append((i, spec(out), spec(added), down))
+        made.update(records=tuple(c.records or ()), jobs=tuple(jobs), wides=tuple(wides), makers=dict(cmp.makers))
+        return outs
+
+    compiled = jax.jit(program, compiler_options=OPTIONS).lower(*arrays).compile()
+    return Program(compiled, made["records"], made["jobs"], made["wides"], made["makers"], tuple(closed.consts))
