@@ -138,7 +138,9 @@ def test_a_repeated_call_runs_its_program_again_and_a_new_constant_makes_a_new_o
     changed = explain(x)
     assert len(built) == 2
     dots = [r for r in changed.records if r.op == "dot_general"]
-    assert first.records[[r.op for r in first.records].index("dot_general")].ref_max == pytest.approx(float(jnp.max(jnp.abs(x))) / 4)
+    assert first.records[[r.op for r in first.records].index("dot_general")].ref_max == pytest.approx(
+        float(jnp.max(jnp.abs(x))) / 4
+    )
     assert dots[0].ref_max == pytest.approx(8 * float(jnp.max(jnp.abs(x))))
 
 
@@ -160,3 +162,22 @@ def test_loops_and_non_finite_values_go_op_by_op(monkeypatch):
     assert len(built) == 1  # compiled, then run op by op: its statistics needed the arrays
     (row,) = rep.needs_fix
     assert row.op == "dot_general" and row.added_error == np.inf and row.ref_max > 65504
+
+
+def test_keys_and_large_closed_over_arrays(monkeypatch):
+    built = _builds(monkeypatch)
+
+    def f(x, key):
+        return jnp.mean(jnp.tanh(x @ x.T) * jax.random.normal(key, (32, 32)))
+
+    x = jax.random.normal(jax.random.key(5), (32, 64))
+    rep = fmp.explain(f, "mixed_bfloat16", compare=True)(x, jax.random.key(6))  # a typed key argument
+    assert len(built) == 1 and any(r.op == "dot_general" for r in rep.records)
+
+    big = jnp.ones((64, 70_000)) / 64  # 17 MB closed over: compiled in, it would slow the compilation
+
+    def g(x):
+        return jnp.mean(jnp.tanh(x @ big))
+
+    rep = fmp.explain(g, "mixed_bfloat16", compare=True)(x)
+    assert len(built) == 1 and any(r.op == "dot_general" and r.error for r in rep.records)

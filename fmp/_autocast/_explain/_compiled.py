@@ -9,8 +9,9 @@ op-by-op run: XLA compiles it with ``xla_allow_excess_precision`` off, so every 
 dtype that the op-by-op run makes is made in it too.
 
 What it does not cover goes op by op, as before: programs with loops or branches (``scan``, ``while``,
-``cond``: compared per iteration, on values), float8 recipes, and a call whose statistics need the arrays
-themselves (a non-finite value or a sum out of float32's range: ``_stats.from_fetched`` is ``None``).
+``cond``: compared per iteration, on values), float8 recipes, programs closing over more than 16 MiB of
+arrays, and a call whose statistics need the arrays themselves (a non-finite value or a sum out of float32's
+range: ``_stats.from_fetched`` is ``None``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from fmp._autocast._transform import run_top
 from fmp._report._blame import fill_rows
 
 _PER_VALUE = frozenset({"scan", "while", "cond"})  # compared on values, iteration by iteration
+
+# closed-over arrays are compiled into the program, as constants the rules may read (a mask's magnitude);
+# past this many bytes of them (closed-over parameters), the call goes op by op rather than compile them in
+_CONST_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +94,8 @@ def _per_value(jaxpr: Jaxpr) -> bool:
 def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
     """The program's text, the arguments' types, its constants (arrays by identity: a JAX array never changes;
     a NumPy one by its bytes too)."""
+    if sum(getattr(c, "nbytes", 0) for c in closed.consts) > _CONST_BYTES:
+        return None
     consts: list[Any] = []
     for c in closed.consts:
         if isinstance(c, np.ndarray):
@@ -101,7 +108,7 @@ def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
             except TypeError:
                 return None
             consts.append((type(c), c))
-    avals = tuple((np.shape(x), np.dtype(x.dtype).name, bool(getattr(x, "weak_type", False))) for x in arrays)
+    avals = tuple((np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in arrays)
     return str(closed.jaxpr), avals, tuple(consts)
 
 
