@@ -29,7 +29,7 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Hashable | None:
     parts: list[Any] = [tree, k_tree]
     for x in (*leaves, *k_leaves):
         if isinstance(x, _ARRAYS):
-            parts.append((np.shape(x), np.dtype(x.dtype), bool(getattr(x, "weak_type", False))))
+            parts.append(type_key(x))
         else:
             parts.append((type(x), x))
     key = tuple(parts)
@@ -38,6 +38,11 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Hashable | None:
     except TypeError:
         return None
     return key
+
+
+def type_key(x: Any) -> Hashable:
+    """What JAX compiles an array argument for: its shape, dtype (a key type too) and weak type."""
+    return np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False))
 
 
 class Traces:

@@ -27,6 +27,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from fmp._autocast._engine._context import Context
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._explain import _forward
+from fmp._autocast._explain._cache import type_key
 from fmp._autocast._explain._probe import OPTIONS
 from fmp._autocast._explain._stats import from_fetched
 from fmp._autocast._transform import run_top
@@ -108,8 +109,7 @@ def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
             except TypeError:
                 return None
             consts.append((type(c), c))
-    avals = tuple((np.shape(x), str(x.dtype), bool(getattr(x, "weak_type", False))) for x in arrays)
-    return str(closed.jaxpr), avals, tuple(consts)
+    return str(closed.jaxpr), tuple(type_key(x) for x in arrays), tuple(consts)
 
 
 def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context) -> Program:

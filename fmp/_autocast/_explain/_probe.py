@@ -29,6 +29,7 @@ from jax.extend.core import JaxprEqn, Literal
 from fmp._autocast._engine._context import Context, is_constant, is_scalar_constant
 from fmp._autocast._engine._interp import bind, rewrite_eqn
 from fmp._autocast._engine._lru import LRU
+from fmp._autocast._explain._cache import type_key
 from fmp._autocast._explain._stats import JAX_OPS, device_sums
 from fmp._report._compare import as_arrived
 
@@ -81,7 +82,7 @@ def key(
 def _aval(x: Any) -> Hashable:
     if is_constant(x):  # a value known while tracing (the rule treats a scalar one as a literal): it decides
         return (type(x), np.asarray(x).dtype.name, np.shape(x), np.asarray(x).tobytes())
-    return (np.shape(x), np.dtype(x.dtype).name, bool(getattr(x, "weak_type", False)))
+    return type_key(x)
 
 
 def run(
@@ -99,7 +100,7 @@ def run(
     ``alone`` and ``baseline`` are ``None`` for an ``exact`` op (it adds nothing by itself)."""
     program = _PROGRAMS.get(k)
     if program is None:
-        program = _PROGRAMS.put(k, _build(eqn, invals, ctx, scope, exact))
+        program = _PROGRAMS.put(k, _build(eqn, invals, scope, exact))
     lit = [isinstance(v, Literal) for v in eqn.invars]
     dyn_ref = [x for x, is_lit in zip(ref_in, lit, strict=True) if not is_lit]
     make, jitted = program
@@ -116,7 +117,7 @@ def constants_kept(arrived: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
     return [x if is_scalar_constant(x) else a for a, x in zip(arrived, invals, strict=True)]
 
 
-def _build(eqn: JaxprEqn, invals: Sequence[Any], ctx: Context, scope: str, exact: bool) -> Any:
+def _build(eqn: JaxprEqn, invals: Sequence[Any], scope: str, exact: bool) -> Any:
     likes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x for x in invals]
     kept = [x if is_scalar_constant(x) else None for x in invals]  # not the policy run's arrays: not kept alive
     lits = {i: v.val for i, v in enumerate(eqn.invars) if isinstance(v, Literal)}

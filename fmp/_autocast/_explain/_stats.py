@@ -114,10 +114,15 @@ class Deferred:
 
     def _finish(self, fetched: list[Any], scaled: dict[int, Any]) -> None:
         device, host, discrete = fetched
-        flips = sum(JAX_OPS.changed(p, r) for p, r in discrete)
         parts = [scaled.get(id(d), _from_sums(*sums)) for d, sums in zip(self.device, device, strict=True)]
-        self.value = combine([*parts, *(JAX_OPS.parts(p, r) for p, r in host)], flips)
+        self.value = _combined(parts, host, discrete)
         self.device, self.host, self.discrete = [], [], []
+
+
+def _combined(parts: Sequence[Any], host: Sequence[Any], discrete: Sequence[Any]) -> Stats:
+    """The statistics from the large outputs' parts and the fetched small and discrete pairs."""
+    flips = sum(JAX_OPS.changed(p, r) for p, r in discrete)
+    return combine([*parts, *(JAX_OPS.parts(p, r) for p, r in host)], flips)
 
 
 def resolve(deferred: Sequence[Deferred]) -> None:
@@ -142,8 +147,7 @@ def from_fetched(wides: Sequence[Any], fetched: Sequence[Any]) -> Stats | None:
     device, host, discrete = fetched
     if not all(_plain(sums, wide) for sums, wide in zip(device, wides, strict=True)):
         return None
-    flips = sum(JAX_OPS.changed(p, r) for p, r in discrete)
-    return combine([*(_from_sums(*sums) for sums in device), *(JAX_OPS.parts(p, r) for p, r in host)], flips)
+    return _combined([_from_sums(*sums) for sums in device], host, discrete)
 
 
 def device_sums(outs: Sequence[Any], refs: Sequence[Any], error_only: bool = False) -> list[Any]:
