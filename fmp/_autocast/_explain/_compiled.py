@@ -28,10 +28,12 @@ from fmp._autocast._engine._context import Context
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._explain import _forward
 from fmp._autocast._explain._cache import type_key
-from fmp._autocast._explain._probe import OPTIONS
 from fmp._autocast._explain._stats import from_fetched
 from fmp._autocast._transform import run_top
 from fmp._report._blame import fill_rows
+
+# XLA may otherwise keep a value in float32 where the program rounds it to bfloat16 and reads it back
+_OPTIONS = {"xla_allow_excess_precision": False}
 
 _PER_VALUE = frozenset({"scan", "while", "cond"})  # compared on values, iteration by iteration
 
@@ -140,5 +142,5 @@ def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context) -> Program:
         made.update(records=tuple(c.records or ()), jobs=tuple(jobs), wides=tuple(wides), makers=dict(cmp.makers))
         return outs
 
-    compiled = jax.jit(program, compiler_options=OPTIONS).lower(*arrays).compile()
+    compiled = jax.jit(program, compiler_options=_OPTIONS).lower(*arrays).compile()
     return Program(compiled, made["records"], made["jobs"], made["wides"], made["makers"], tuple(closed.consts))

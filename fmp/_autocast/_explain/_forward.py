@@ -6,9 +6,7 @@ reference values (the program as written, on the same inputs), and writes the er
 the equation's outputs into its explain row. The reference values live beside the interpreter's own,
 one environment per jaxpr being evaluated, so nested bodies (``jit``, ``checkpoint``, custom
 derivative calls, inline helpers: ``_bodies``; ``scan``, ``while`` and ``cond``: ``_loops``) are compared
-equation by equation. What a compared equation needs beside the policy run (its reference output, its run
-alone on the reference inputs, the statistics) is one small compiled program per kind of equation
-(``_probe``); traced instead of run (``_compiled``), the whole comparison becomes one program.
+equation by equation. Traced instead of run (``_compiled``), the whole comparison becomes one program.
 """
 
 from __future__ import annotations
@@ -19,10 +17,10 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
-from fmp._autocast._engine._context import Context
+from fmp._autocast._engine._context import Context, is_scalar_constant
 from fmp._autocast._engine._interp import bind, rewrite_eqn
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._explain import _bodies, _probe
+from fmp._autocast._explain import _bodies
 from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
 from fmp._autocast._transform import run_top
 from fmp._report._blame import fill_rows
@@ -143,15 +141,6 @@ class Comparison:
         of the error it adds by itself (``exact``: none; ``same`` inputs: its output's)."""
         if exact and same:  # the op as written on the reference's own values: the reference output itself
             return outs, Deferred(outs, outs), Deferred.exact(outs)
-        k = _probe.key(eqn, invals, outs, ref_in, row, self.ctx, scope, exact or same)
-        if k is not None:
-            ref_out, sums, alone, baseline, added_sums = _probe.run(
-                k, eqn, invals, outs, ref_in, self.ctx, scope, exact or same, self.traced
-            )
-            out = Deferred(outs, ref_out, sums)
-            if exact or same:
-                return ref_out, out, Deferred.exact(outs) if exact else out
-            return ref_out, out, Deferred(alone, baseline or ref_out, added_sums, error_only=True)
         ref_out = bind(eqn, ref_in, eqn.params)
         out = Deferred(outs, ref_out)
         if exact or same:
@@ -169,7 +158,7 @@ class Comparison:
         """
         ctx = self.ctx
         arrived, back = as_arrived(JAX_OPS, ref_in, invals)
-        arrived = _probe.constants_kept(arrived, invals)
+        arrived = _constants_kept(arrived, invals)
         saved, ctx.records = ctx.records, None  # no rows for this second run
         try:
             alone = rewrite_eqn(eqn, arrived, ctx, scope)
@@ -205,6 +194,12 @@ def _last_uses(jaxpr: Jaxpr) -> dict[int, list[Any]]:
         if v not in kept:
             out.setdefault(id(eqn), []).append(v)
     return out
+
+
+def _constants_kept(arrived: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
+    """``arrived`` with each scalar constant the policy run saw in its place: the rule treats such a value as a
+    literal of the source (it follows the other inputs' dtype), so the op run alone must see it as one too."""
+    return [x if is_scalar_constant(x) else a for a, x in zip(arrived, invals, strict=True)]
 
 
 def _moves_values(eqn: JaxprEqn, row: Any) -> bool:

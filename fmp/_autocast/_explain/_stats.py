@@ -22,7 +22,7 @@ import numpy as np
 
 from fmp._report._compare import Stats, array_parts, combine, split_outputs, value_kind, wide_dtype
 
-__all__ = ["HOLD", "JAX_OPS", "Deferred", "device_sums", "from_fetched", "output_stats", "resolve"]
+__all__ = ["HOLD", "JAX_OPS", "Deferred", "from_fetched", "output_stats", "resolve"]
 
 # statistics are resolved once the arrays they hold reach this many bytes (and at the end)
 HOLD = 64 << 20
@@ -62,26 +62,17 @@ JAX_OPS = JaxCompareOps()
 class Deferred:
     """``output_stats`` of ``outs`` against ``refs``, started on the device; ``value`` once resolved."""
 
-    def __init__(
-        self, outs: Sequence[Any], refs: Sequence[Any], sums: Sequence[Any] | None = None, error_only: bool = False
-    ) -> None:
-        """``sums``: the plain sums of the large floating pairs (``device_sums(outs, refs)``), where a
-        compiled program already computed them; else they are started here. ``error_only``: only the
-        relative error is read (an op's added error): the largest values are not computed (half the
-        reductions), and the other statistics of the result mean nothing."""
+    def __init__(self, outs: Sequence[Any], refs: Sequence[Any], error_only: bool = False) -> None:
+        """``error_only``: only the relative error is read (an op's added error): the largest values are not
+        computed (half the reductions), and the other statistics of the result mean nothing."""
         self.device: list[Any] = []  # (plain sums, p, r, wide) of the large floating outputs
         self.host: list[tuple[Any, Any]] = []  # small floating outputs and their references, reduced on the host
         self.value: Stats | None = None
         floats, self.discrete = split_outputs(JAX_OPS, outs, refs)
-        given = iter(sums) if sums is not None else None
         for p, r in floats:
             wide = jnp.dtype(wide_dtype(JAX_OPS.dtype_name(p), JAX_OPS.dtype_name(r)))
             if np.size(r) >= _ON_DEVICE:
-                if given is None:
-                    given_sums = _sums(p, r, wide, error_only)
-                else:
-                    given_sums = next(given)
-                self.device.append((given_sums, p, r, wide))
+                self.device.append((_sums(p, r, wide, error_only), p, r, wide))
             else:
                 self.host.append((p, r))
 
@@ -150,20 +141,9 @@ def from_fetched(wides: Sequence[Any], fetched: Sequence[Any]) -> Stats | None:
     return _combined([_from_sums(*sums) for sums in device], host, discrete)
 
 
-def device_sums(outs: Sequence[Any], refs: Sequence[Any], error_only: bool = False) -> list[Any]:
-    """The plain sums ``Deferred(outs, refs, error_only=)`` starts on the device, in its order: for use inside a
-    compiled program that also makes ``outs`` or ``refs`` (``Deferred(..., sums=)`` then takes them)."""
-    floats, _ = split_outputs(JAX_OPS, outs, refs)
-    return [
-        _sums(p, r, jnp.dtype(wide_dtype(JAX_OPS.dtype_name(p), JAX_OPS.dtype_name(r))), error_only)
-        for p, r in floats
-        if np.size(r) >= _ON_DEVICE
-    ]
-
-
 def _sums(p: Any, r: Any, wide: Any, error_only: bool) -> Any:
     """The plain sums of one pair. On arrays: one small compiled function on values already in memory.
-    Inside a program being traced (``_compiled``, ``_probe``): a single pass that XLA's own emitter runs, in
+    Inside a program being traced (``_compiled``): a single pass that XLA's own emitter runs, in
     which a rounding made upstream is kept (XLA CPU's YNNPACK reductions, which the four plain ones become,
     may drop a round trip to bfloat16 fused into them, and so report no error)."""
     if p is r:
