@@ -22,8 +22,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, jaxprs_in_params
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from fmp._autocast._checks import _jaxprs
 from fmp._autocast._engine._context import Context
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._explain import _forward
@@ -86,12 +87,7 @@ def _value(spec: Any, values: list[Any]) -> Any:
 
 def _per_value(jaxpr: Jaxpr) -> bool:
     """Whether ``jaxpr`` holds an equation compared on values (a loop or a branch), at any depth."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _PER_VALUE:
-            return True
-        if any(_per_value(sub.jaxpr if hasattr(sub, "jaxpr") else sub) for sub in jaxprs_in_params(eqn.params)):
-            return True
-    return False
+    return any(eqn.primitive.name in _PER_VALUE for body, _ in _jaxprs(jaxpr) for eqn in body.eqns)
 
 
 def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
