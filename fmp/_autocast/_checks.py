@@ -60,13 +60,15 @@ def _arg_name(path: tuple) -> str:
     return f"keyword argument {first.key!r}{rest}"
 
 
-def _jaxprs(jaxpr: Jaxpr, prefix: str = "") -> Iterator[tuple[Jaxpr, str]]:
+def nested_jaxprs(jaxpr: Jaxpr, prefix: str = "") -> Iterator[tuple[Jaxpr, str]]:
+    """``jaxpr`` and every jaxpr nested in its equations (loop and branch bodies, remat, custom rules), each with
+    the name scope it sits under."""
     yield jaxpr, prefix
     for eqn in jaxpr.eqns:
         own = str(eqn.source_info.name_stack)
         scope = f"{prefix}/{own}" if prefix and own else (prefix or own)
         for sub in jaxprs_in_params(eqn.params):
-            yield from _jaxprs(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub, scope)
+            yield from nested_jaxprs(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub, scope)
 
 
 def _dtypes_and_scopes(closed: ClosedJaxpr, need_scopes: bool = True) -> tuple[set[str], set[str]]:
@@ -74,7 +76,7 @@ def _dtypes_and_scopes(closed: ClosedJaxpr, need_scopes: bool = True) -> tuple[s
     castable dtype (all the no-op check needs), so a model's every call does not pay a full walk."""
     names: set[str] = set()
     scopes: set[str] = set()
-    for jaxpr, prefix in _jaxprs(closed.jaxpr):
+    for jaxpr, prefix in nested_jaxprs(closed.jaxpr):
         for v in [*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars]:
             if hasattr(getattr(v, "aval", None), "dtype"):
                 names.add(dtype_name(v.aval.dtype))

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from fmp._autocast._checks import _jaxprs
+from fmp._autocast._checks import nested_jaxprs
 from fmp._autocast._engine._context import Context
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._explain import _forward
@@ -87,7 +87,7 @@ def _value(spec: Any, values: list[Any]) -> Any:
 
 def _per_value(jaxpr: Jaxpr) -> bool:
     """Whether ``jaxpr`` holds an equation compared on values (a loop or a branch), at any depth."""
-    return any(eqn.primitive.name in _PER_VALUE for body, _ in _jaxprs(jaxpr) for eqn in body.eqns)
+    return any(eqn.primitive.name in _PER_VALUE for body, _ in nested_jaxprs(jaxpr) for eqn in body.eqns)
 
 
 def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
