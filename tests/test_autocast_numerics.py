@@ -130,9 +130,10 @@ def test_jit_equals_eager_through_program_casts():
     _leaves_close(f(x, w), jax.jit(f)(x, w), rtol=1e-6)
 
 
-def test_weak_typed_values_follow_and_an_all_weak_matmul_keeps_its_dtype():
+def test_weak_typed_values_follow_and_weak_angles_keep_float32():
     # rotary angles: positions times inverse frequencies built from Python scalars are weak-typed float32;
-    # with no strongly typed input the product keeps float32 (bfloat16 would lose the angles: |sin error| ~0.9)
+    # the outer product sums one element per output, so it keeps float32 (bfloat16 lost the angles:
+    # |sin error| ~0.9); so does the same product written as a contraction over a dimension of size 1
     def angles(x):
         inv_freq = jnp.exp(jnp.arange(0, 64, 2) * -(math.log(1e4) / 64))  # weak-typed inside the trace
         return jnp.sin(jnp.einsum("i,j->ij", jnp.arange(2048), inv_freq)) + x
@@ -142,9 +143,41 @@ def test_weak_typed_values_follow_and_an_all_weak_matmul_keeps_its_dtype():
         dots = [e for e in jax.make_jaxpr(fmp.autocast(angles))(x).jaxpr.eqns if e.primitive.name == "dot_general"]
         assert dots and not any(str(v.aval.dtype) == "bfloat16" for e in dots for v in e.invars)
         np.testing.assert_allclose(np.asarray(fmp.autocast(angles)(x)), np.asarray(angles(x)), atol=1e-6)
+        pos, inv = jnp.arange(2048) * 1.0, jnp.exp(jnp.arange(0, 64, 2) * -(math.log(1e4) / 64))
+        assert pos.weak_type and inv.weak_type
+        outer = fmp.autocast(lambda p, f: p[:, None] @ f[None, :])(pos, inv)
+        np.testing.assert_array_equal(outer, pos[:, None] @ inv[None, :])
     # a Python scalar follows the other operand (no float32 promotion of a bfloat16 value)
     y = fmp.autocast(lambda x: jnp.sin(2.0) * x)(jnp.ones(3, jnp.bfloat16))
     assert y.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("compute", [jnp.bfloat16, jnp.float16])
+def test_a_matmul_of_weak_typed_arrays_runs_in_the_compute_dtype(compute):
+    # arrays built from Python scalars (jnp.full, jnp.ones_like of one, int arrays times 0.5) are weak-typed;
+    # with no strongly typed input to follow, a matmul or convolution still takes the policy, as in torch
+    with jax.numpy_dtype_promotion("standard"):  # int positions times a Python float
+        a, b = jnp.full((64, 128), 0.3), (jnp.arange(128 * 32) % 7).reshape(128, 32) * 0.37
+    assert a.weak_type and b.weak_type
+    policy = fmp.Policy(param_dtype=jnp.float32, compute_dtype=compute, output_dtype=jnp.float32)
+
+    def f(a, b):
+        return a @ b, (a * 2.0) @ b
+
+    hand = [(x.astype(compute) @ b.astype(compute)).astype(jnp.float32) for x in (a, a * 2.0)]
+    for out in (fmp.autocast(f, policy)(a, b), jax.jit(fmp.autocast(f, policy))(a, b)):
+        for o, h in zip(out, hand, strict=True):
+            np.testing.assert_array_equal(o, h)
+    assert float(jnp.abs(hand[0] - a @ b).max()) > 0  # the compute dtype's rounding shows
+    dots = [e for e in jax.make_jaxpr(fmp.autocast(f, policy))(a, b).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [str(v.aval.dtype) for e in dots for v in e.invars] == [jnp.dtype(compute).name] * 4
+    img, ker = jnp.full((1, 3, 8, 8), 0.5), jnp.full((4, 3, 3, 3), 0.25)
+    conv = fmp.explain(lambda i, k: jax.lax.conv(i, k, (1, 1), "SAME"), policy)(img, ker)
+    (row,) = conv.filter(op="conv_general_dilated").records
+    assert row.out_after == (jnp.dtype(compute).name,)
+    # a weak-typed array still follows a strongly typed operand: no float32 promotion of a bfloat16 value
+    (row,) = fmp.explain(lambda x, y: x + y, policy)(a, jnp.ones((64, 128), compute)).filter(op="add").records
+    assert row.out_after == (jnp.dtype(compute).name,)
 
 
 def test_float16_subnormals_survive_the_cast_up_forward_and_backward():

@@ -83,9 +83,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     cur = [aval_of(x) for x in invals]
     orig = [v.aval for v in eqn.invars]
     floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and is_castable(a.dtype)]
-    # weak-typed values and scalar literals (Python numbers in the source) follow the other inputs
-    follow = {i for i in floats if cur[i].weak_type or is_scalar_constant(invals[i])}
-    strong = [dtype_name(cur[i].dtype) for i in floats if i not in follow]
+    strong = _strong(category, cur, floats, [is_scalar_constant(x) for x in invals])
     compute = policy.compute_dtype.name
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
@@ -130,6 +128,18 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     return outs
 
 
+def _strong(category: Category, avals: Sequence[Any], floats: list[int], scalar: list[bool]) -> list[str]:
+    """The dtypes an op's decision reads: its floating inputs', less the followers. Weak-typed values and
+    scalar literals (Python numbers in the source) follow the other inputs, as in JAX's promotion. A matmul
+    or convolution whose floating inputs are all weak-typed arrays (``jnp.full(shape, 2.0)``,
+    ``jnp.arange(n) * 0.5``) has nothing to follow: it still runs in the policy's dtype, so their type counts."""
+    follow = {i for i in floats if avals[i].weak_type or scalar[i]}
+    strong = [dtype_name(avals[i].dtype) for i in floats if i not in follow]
+    if not strong and category in (Category.LOWER_PRECISION, Category.FLOAT8):
+        strong = [dtype_name(avals[i].dtype) for i in floats if not scalar[i] and avals[i].shape]
+    return strong
+
+
 def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
     """Whether ``leaf`` binds ``eqn`` exactly as written when its inputs have the original program's types.
 
@@ -145,9 +155,7 @@ def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
     category = ctx.rules.category(eqn.primitive.name)
     if category in (Category.FLOAT8, Category.BANNED):
         return False
-    strong = [
-        dtype_name(avals[i].dtype) for i in floats if not avals[i].weak_type and not isinstance(eqn.invars[i], Literal)
-    ]
+    strong = _strong(category, avals, floats, [isinstance(v, Literal) for v in eqn.invars])
     compute = policy.compute_dtype.name
     target = decide(category, compute, strong)
     if target is None:
