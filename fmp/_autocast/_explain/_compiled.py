@@ -121,15 +121,14 @@ def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context) -> Program:
         outs: list[Any] = []
         wides: list[tuple[Any, ...]] = []
         jobs = []
-
-        index: dict[int, int] = {}
+        index: dict[int, int] = {}  # id of a Deferred -> its position in the outputs (one may serve two rows)
 
         def spec(d: Any) -> Any:
             if d.value is not None:
                 return d.value
             if id(d) not in index:
                 index[id(d)] = len(outs)
-                outs.append(d._pending())
+                outs.append(d.pending())
                 wides.append(tuple(d.wides))
             return index[id(d)]
 

@@ -100,7 +100,8 @@ class Deferred:
         """The dtype of each large output's plain sums (what ``from_fetched`` checks them in)."""
         return [wide for _, _, _, wide in self.device]
 
-    def _pending(self) -> list[Any]:
+    def pending(self) -> list[Any]:
+        """What is still to be fetched: the large outputs' plain sums, the small pairs, the discrete pairs."""
         return [[sums for sums, _, _, _ in self.device], self.host, self.discrete]
 
     def _finish(self, fetched: list[Any], scaled: dict[int, Any]) -> None:
@@ -119,7 +120,7 @@ def _combined(parts: Sequence[Any], host: Sequence[Any], discrete: Sequence[Any]
 def resolve(deferred: Sequence[Deferred]) -> None:
     """Fetches the statistics of every unresolved ``Deferred`` in one transfer and sets their ``value``."""
     todo = list({id(d): d for d in deferred if d.value is None}.values())  # one may stand for two rows' parts
-    fetched = jax.device_get([d._pending() for d in todo])
+    fetched = jax.device_get([d.pending() for d in todo])
     redo = {
         id(entry): _float_stats(entry[1], entry[2], entry[3])
         for d, got in zip(todo, fetched, strict=True)
@@ -132,7 +133,7 @@ def resolve(deferred: Sequence[Deferred]) -> None:
 
 
 def from_fetched(wides: Sequence[Any], fetched: Sequence[Any]) -> Stats | None:
-    """The statistics from a ``Deferred``'s fetched pending values (its ``_pending()``, computed elsewhere:
+    """The statistics from a ``Deferred``'s fetched pending values (its ``pending()``, computed elsewhere:
     ``_compiled``) and its ``wides``; ``None`` where a plain sum is not exact enough (the arrays it would
     recompute from are not at hand)."""
     device, host, discrete = fetched
