@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import fmp
-from tests.helpers import ROOT, run_python, run_with_devices
+from _helpers.common import ROOT, run_python, run_with_devices
 
 
 def test_import_fmp_does_not_import_torch_optax_flax_matplotlib():
@@ -358,7 +358,7 @@ def test_index_description_has_no_repository_links_and_its_snippet_runs(built):
     assert meta.split("\n\n", 1)[1].strip() == text.strip()
     assert not re.findall(r"\]\((?!https://)[^)]*\)", text), "a relative link is dead on an index page"
     assert "pip install fmp" not in text and f"`{DIST}`" in text
-    block, debugger = re.findall(r"```python\n(.*?)```", text, re.S)  # the debugger's: tests/test_first_page.py
+    block, debugger = re.findall(r"```python\n(.*?)```", text, re.S)  # the debugger's: tests/docs/test_first_page.py
     assert "fmp.explain(" in debugger
     ns: dict = {}
     exec(compile(block, "DESCRIPTION.md", "exec"), ns)  # noqa: S102

@@ -8,7 +8,7 @@ A copy is a fenced block right after a marker line, both at the same indentation
 - ``<!-- from: docs/assets/precision_loss_fixed.txt -->``: the whole file;
 - ``<!-- diff: before.py after.py -->``: a unified diff of the two files' code (``diffs.diff``).
 
-The test suite checks every copy against its file (``tests/test_docs_synced.py``); after changing an
+The test suite checks every copy against its file (``tests/docs/test_synced.py``); after changing an
 example or regenerating an output, ``python docs/hooks/synced.py`` rewrites the copies (``--check`` only
 lists the stale ones). Not an mkdocs hook: the pages are built as they are.
 """

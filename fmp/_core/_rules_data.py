@@ -8,7 +8,7 @@ it through that class.
 Torch op names are the dispatcher keys autocast is registered on
 (``"aten::" + schema name + ("." + overload if not default)``). They were read
 from torch 2.13.0's own registry (``AutocastCPU`` / ``AutocastCUDA`` dispatch
-keys) and its header ``ATen/autocast_mode.h``; ``tests/test_rules.py`` re-reads
+keys) and its header ``ATen/autocast_mode.h``; ``tests/core/test_rules.py`` re-reads
 the live registry and fails if this table and torch drift apart.
 
 JAX primitive names are mapped by meaning: matrix products and convolutions run
@@ -126,7 +126,7 @@ JAX_PROMOTE = (
 JAX_BANNED: dict[str, str] = {}
 
 # Primitives of jax.lax.linalg, jax.lax.fft and jax.lax.special deliberately left out of the float32 list,
-# with the reason; ``tests/test_autocast_linalg.py`` enumerates the installed JAX's primitives of those
+# with the reason; ``tests/autocast/test_linalg.py`` enumerates the installed JAX's primitives of those
 # modules and fails on any that is in neither list.
 JAX_TOUCHY_EXEMPT = {
     "lu_pivots_to_permutation": "integer pivots in, integer permutation out: no floating input",
@@ -342,7 +342,7 @@ TORCH_CPU_LOWER_PRECISION = (
 # autocast dtype and accumulates them into a float32 output; ``linalg_pinv`` multiplies its SVD factors
 # with ``matmul``. Found by running every op of the CPU and CUDA registries on CPU tensors, then the
 # CompositeExplicitAutograd ops (kernels made of other ops) that compute matrix products, eager autocast
-# against the FX rewrite (tests/torch/test_fx_ops.py).
+# against the FX rewrite (tests/torch/fx/test_fx_ops.py).
 TORCH_CPU_AUTOCAST_INSIDE = (
     "aten::_euclidean_dist",
     "aten::_foreach_mm",

@@ -12,7 +12,7 @@ GRAD_DTYPES = ("float8_e5m2", "float8_e4m3fn")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 # The peers' named recipes as fmp options: what each peer's own recipe does, in fmp's terms (the float8
-# guide's "Recipes from other libraries" table describes them; tests/test_float8_peers.py checks them).
+# guide's "Recipes from other libraries" table describes them; tests/float8/test_peers.py checks them).
 PEER_RECIPES: dict[str, dict[str, Any]] = {
     # torchao Float8LinearConfig.from_recipe_name("tensorwise"): exact scales, e5m2 gradients
     "torchao_tensorwise": {"scaling": "tensorwise", "pow2_scales": False, "grad_dtype": "float8_e5m2"},

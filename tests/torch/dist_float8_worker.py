@@ -1,6 +1,6 @@
 """One rank of the float8 multi-process test: ``python -m tests.torch.dist_float8_worker``.
 
-Launched on 2 local processes (gloo on 127.0.0.1) by ``tests/torch/test_torch_float8_dist.py``. For each
+Launched on 2 local processes (gloo on 127.0.0.1) by ``tests/torch/float8/test_torch_float8_dist.py``. For each
 wrapper (DDP; FSDP2 ``fully_shard`` at the root; FSDP2 per layer and at the root) and recipe (tensorwise, rowwise), this rank
 trains the same model twice, once rewritten by ``fmp.torch.autocast_fx`` with torchao's named recipe and once
 converted by torchao's ``convert_to_float8_training`` (emulated, under CPU autocast), on this rank's own

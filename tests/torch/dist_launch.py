@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from tests.helpers import ROOT
+from _helpers.common import ROOT
 
 
 def free_port() -> int:

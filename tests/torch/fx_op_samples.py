@@ -1,4 +1,4 @@
-"""Sample inputs for every op in torch 2.13's CPU autocast registry (for tests/torch/test_fx_ops.py).
+"""Sample inputs for every op in torch 2.13's CPU autocast registry (for tests/torch/fx/test_fx_ops.py).
 
 ``SAMPLES[key]()`` returns ``(args, kwargs)`` for ``torch.ops.aten.<op>.<overload>``;
 floating tensors are float32 (the test also runs them in the autocast dtype).

@@ -4,7 +4,7 @@ Registered into the handler table next to the loop and custom-derivative
 handlers (``_hops.HANDLERS``). Every primitive that carries a sub-jaxpr is
 either rewritten here or in ``_hops``, kept as written (``_transform.OPAQUE``:
 scalar combiners of reductions and scatters), or refused with an error that
-names it (``REFUSED``); ``tests/test_autocast_hops_calls.py`` enumerates
+names it (``REFUSED``); ``tests/autocast/test_hops_calls.py`` enumerates
 the installed JAX's primitives and fails on one that is in none of these.
 """
 

@@ -1,0 +1,1 @@
+"""Helpers shared by the test folders (tests/ is on sys.path: `from _helpers.common import ROOT`)."""
