@@ -12,9 +12,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from _helpers.common import ROOT, run_python, run_with_devices
 
 import fmp
-from _helpers.common import ROOT, run_python, run_with_devices
 
 
 def test_import_fmp_does_not_import_torch_optax_flax_matplotlib():

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers.jaxprs import in_dtypes, rewritten
 from _helpers.common import run_with_devices
+from _helpers.jaxprs import in_dtypes, rewritten
 from jax.sharding import PartitionSpec as P
 
 import fmp

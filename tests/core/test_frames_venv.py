@@ -18,7 +18,6 @@ import sys
 import sysconfig
 
 import pytest
-
 from _helpers.common import ROOT
 
 pytestmark = [pytest.mark.gallery, pytest.mark.skipif(sys.platform == "win32", reason="links a venv with symlinks")]

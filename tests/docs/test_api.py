@@ -6,7 +6,6 @@ import importlib
 import re
 
 import pytest
-
 from _helpers.common import ROOT
 
 MODULES = ["fmp", "fmp.testing", "fmp.optax", "fmp.torch", "fmp.torch.cuda", "fmp.torch.cuda.amp", "fmp.torch.fp16_utils"]

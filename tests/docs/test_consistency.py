@@ -9,9 +9,9 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _helpers.common import ROOT
 
 import fmp
-from _helpers.common import ROOT
 
 DOCS = ROOT / "docs"
 

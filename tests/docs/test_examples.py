@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from _helpers.common import ROOT
 
 

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from _helpers.common import ROOT
 
 pytest.importorskip("flax")

@@ -10,9 +10,9 @@ import re
 import runpy
 
 import pytest
+from _helpers.common import ROOT
 
 from fmp._report._float8_choice import SMALL_BOXES, STANDS_OUT
-from _helpers.common import ROOT
 
 PAGE = ROOT / "docs" / "guides" / "float8.md"
 ASSETS = ROOT / "docs" / "assets"

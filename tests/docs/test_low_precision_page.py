@@ -7,7 +7,6 @@ import re
 import runpy
 
 import pytest
-
 from _helpers.common import ROOT
 
 PAGE = ROOT / "docs" / "guides" / "low-precision-training.md"

@@ -10,7 +10,6 @@ import re
 import runpy
 
 import pytest
-
 from _helpers.common import ROOT
 
 PAGE = ROOT / "docs" / "guides" / "precision-loss.md"

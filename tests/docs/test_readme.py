@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from _helpers.common import ROOT
 
 README = (ROOT / "README.md").read_text()

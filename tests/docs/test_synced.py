@@ -8,7 +8,6 @@ import importlib.util
 import re
 
 import pytest
-
 from _helpers.common import ROOT
 
 

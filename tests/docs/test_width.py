@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from _helpers.common import ROOT
 
 PAGES = sorted([*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"])

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers.common import near_tied_router
 
 import fmp
-from _helpers.common import near_tied_router
 
 K = jax.random.split(jax.random.key(2), 6)
 

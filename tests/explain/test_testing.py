@@ -6,10 +6,10 @@ import re
 
 import jax.numpy as jnp
 import pytest
+from _helpers.common import ROOT
 
 import fmp
 from fmp.testing import assert_precision
-from _helpers.common import ROOT
 
 
 def _mlp(p, x):

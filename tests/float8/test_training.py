@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from _helpers.common import ROOT, optax_not_strict
 
 

@@ -11,10 +11,11 @@ import pytest
 
 optax = pytest.importorskip("optax")
 
-import fmp  # noqa: E402
-import fmp.optax  # noqa: E402
 from _helpers.common import optax_not_strict as _standard_promotion  # noqa: E402
 from _helpers.common import tree_bits as _bits  # noqa: E402
+
+import fmp  # noqa: E402
+import fmp.optax  # noqa: E402
 
 
 def _scale(state):

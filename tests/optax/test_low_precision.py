@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 optax = pytest.importorskip("optax")
-import fmp.optax  # noqa: E402
-from fmp._rounding import round_stochastic, update_to  # noqa: E402
 from _helpers.common import optax_not_strict, run_with_devices  # noqa: E402
 from _helpers.common import tree_bits as bits  # noqa: E402
+
+import fmp.optax  # noqa: E402
+from fmp._rounding import round_stochastic, update_to  # noqa: E402
 
 LOW = [jnp.bfloat16, jnp.float16]
 

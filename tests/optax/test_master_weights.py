@@ -11,8 +11,9 @@ import pytest
 
 optax = pytest.importorskip("optax")
 
-import fmp.optax  # noqa: E402
 from _helpers.common import ROOT  # noqa: E402
+
+import fmp.optax  # noqa: E402
 
 LOW = [jnp.bfloat16, jnp.float16]
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 optax = pytest.importorskip("optax")
-import fmp.optax  # noqa: E402
 from _helpers.common import optax_not_strict  # noqa: E402
 from _helpers.common import tree_bits as bits  # noqa: E402
+
+import fmp.optax  # noqa: E402
 
 
 def _dtypes(tree):

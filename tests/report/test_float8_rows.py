@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers.common import run_python
 
 import fmp
-from _helpers.common import run_python
 
 
 def _mlp(x, w):

@@ -6,9 +6,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from _helpers.common import near_tied_router
 
 import fmp
-from _helpers.common import near_tied_router
 
 matplotlib = pytest.importorskip("matplotlib")
 from matplotlib.axes import Axes  # noqa: E402

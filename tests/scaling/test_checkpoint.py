@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers.common import run_python
 
 import fmp
-from _helpers.common import run_python
 
 HP = {"init_scale": 3.3, "growth_factor": 1.1, "backoff_factor": 0.3, "growth_interval": 2}
 FLAGS = np.random.default_rng(0).random(40) < 0.3  # True: this step overflowed

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers.common import tree_bits as _bits
 
 import fmp
-from _helpers.common import tree_bits as _bits
 
 
 def loss_fn(params, x, y, poison=None):

@@ -14,7 +14,6 @@ import os
 import sys
 
 import pytest
-
 from _helpers.common import ROOT, free_port, run_processes
 
 pytest.importorskip("optax")

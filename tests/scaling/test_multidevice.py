@@ -6,7 +6,6 @@ import collections
 import json
 
 import pytest
-
 from _helpers.common import run_with_devices
 
 pytest.importorskip("optax")

@@ -11,9 +11,10 @@ import pytest
 
 optax = pytest.importorskip("optax")
 
+from _helpers.common import optax_not_strict, run_processes  # noqa: E402
+
 import fmp  # noqa: E402
 import fmp.optax  # noqa: E402
-from _helpers.common import optax_not_strict, run_processes  # noqa: E402
 
 
 @optax_not_strict

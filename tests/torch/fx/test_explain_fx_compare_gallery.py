@@ -9,8 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import fmp.torch  # noqa: E402
 from _helpers.common import ROOT  # noqa: E402
+
+import fmp.torch  # noqa: E402
 
 pytestmark = pytest.mark.gallery
 
