@@ -415,3 +415,44 @@ def test_tested_versions_table_matches_ci_and_the_claims():
         assert {k: pins.get(k) for k in row} == row, (python, name)
         assert pins["jaxlib"] == pins["jax"], name
     assert 'export PIP_CONSTRAINT="$root/.ci/constraints-py$1.txt"' in ci
+
+
+def _ci_function(name: str) -> str:
+    """The text of shell function ``name`` as .ci/run defines it (from ``name() {`` to its closing ``}``)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    match = re.search(rf"^{name}\(\) \{{\n.*?^\}}\n", ci, re.M | re.S)
+    assert match, f".ci/run defines no function {name}"
+    return match.group(0)
+
+
+def _leave_venv(tmp_path: Path, setup: str) -> dict[str, str]:
+    """Runs .ci/run's ``leave_venv`` in bash (as the script runs: ``set -euo pipefail``) after ``setup``;
+    returns VIRTUAL_ENV and PATH afterwards."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    steps = ["set -euo pipefail", _ci_function("leave_venv"), setup, "leave_venv"]
+    script = "\n".join([*steps, 'echo "VIRTUAL_ENV=${VIRTUAL_ENV:-}"', 'echo "PATH=$PATH"'])
+    env = {"HOME": str(tmp_path), "VIRTUAL_ENV": str(venv), "PATH": f"{venv}/bin:/usr/bin:/bin"}
+    # A `deactivate` on PATH that fails as pyenv's shim does when run rather than sourced.
+    shim = tmp_path / "shims"
+    shim.mkdir()
+    (shim / "deactivate").write_text("#!/bin/sh\necho 'deactivate must be sourced' >&2\nexit 1\n")
+    (shim / "deactivate").chmod(0o755)
+    env["PATH"] = f"{env['PATH']}:{shim}"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, check=True)
+    return dict(line.split("=", 1) for line in out.stdout.splitlines())
+
+
+def test_ci_leaves_a_venv_inherited_from_its_caller(tmp_path):
+    """CI started from inside an activated venv: only VIRTUAL_ENV and PATH came along, no `deactivate`
+    function; the venv is left all the same (VIRTUAL_ENV cleared, its bin/ off PATH, the rest of PATH kept)."""
+    got = _leave_venv(tmp_path, "")
+    assert got["VIRTUAL_ENV"] == ""
+    assert got["PATH"].split(":") == ["/usr/bin", "/bin", str(tmp_path / "shims")]
+
+
+def test_ci_leaves_a_venv_it_activated_through_its_deactivate(tmp_path):
+    """A venv activated in the script's own shell is left by its own `deactivate` function."""
+    setup = 'deactivate() { echo "own deactivate" >&2; unset VIRTUAL_ENV; PATH=/bin; }'
+    got = _leave_venv(tmp_path, setup)
+    assert got == {"VIRTUAL_ENV": "", "PATH": "/bin"}
