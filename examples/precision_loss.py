@@ -101,12 +101,14 @@ class NnxRotary(nnx.Module):
 class NnxBlock(nnx.Module):
     def __init__(self, rngs):
         self.norm1, self.norm2 = nnx.RMSNorm(DIM, rngs=rngs), nnx.RMSNorm(DIM, rngs=rngs)
-        self.qkv, self.out = nnx.Linear(DIM, 3 * DIM, rngs=rngs), nnx.Linear(DIM, DIM, rngs=rngs)
+        self.qkv = nnx.Linear(DIM, 3 * DIM, rngs=rngs)
+        self.out = nnx.Linear(DIM, DIM, rngs=rngs)
         self.up = nnx.Linear(DIM, 4 * DIM, rngs=rngs)
         self.down = nnx.Linear(4 * DIM, DIM, rngs=rngs)
 
     def __call__(self, x, cos, sin):
-        q, k, v = jnp.split(self.qkv(self.norm1(x)).reshape(x.shape[0], 3 * HEADS, -1), 3, axis=1)
+        qkv = self.qkv(self.norm1(x)).reshape(x.shape[0], 3 * HEADS, -1)
+        q, k, v = jnp.split(qkv, 3, axis=1)
         x = x + self.out(attend(q, k, v, cos, sin).reshape(x.shape))
         return x + self.down(nnx.gelu(self.up(self.norm2(x))))
 
@@ -126,7 +128,7 @@ class NnxLM(nnx.Module):
         return self.head(self.norm(x))
 
 
-def nnx_loss_fn(model, tokens):  # the module is an argument: its submodules' scopes are their paths
+def nnx_loss_fn(model, tokens):  # the module is an argument: its submodules' paths are scopes
     logp = jax.nn.log_softmax(model(tokens)[:-1])
     return -jnp.take_along_axis(logp, tokens[1:, None], axis=-1).mean()
 

@@ -3,7 +3,9 @@
 At 1280 px the page shows about 110 characters of a code block (the table of contents sits in the left
 sidebar, ``toc.integrate``); a longer line hides its end behind a scroll bar. Fenced blocks are checked
 as written and with their ``--8<--`` includes (pymdownx.snippets) expanded, so an example a page includes
-is held to the same width. Run after diffs.py, which turns its directives into fenced blocks.
+is held to the same width. A block indented inside a list or an admonition counts its indentation: the raw
+page is read too, and there its lines take that much more room. Run after diffs.py, which turns its
+directives into fenced blocks.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def long_lines(markdown: str, root: Path, limit: int = MAX) -> list[str]:
             fence = None
             continue
         inc = INCLUDE.match(line)
-        code = [(f"{inc['path']}:{i}", text) for i, text in enumerate(_included(inc["path"], root), 1)] if inc else []
-        code = code or [(f"line {no}", line[indent:])]
+        code = [(f"line {no}", line)]  # a block in a list or an admonition: counted with its indentation
+        if inc:
+            pad = " " * indent
+            code = [(f"{inc['path']}:{i}", pad + text) for i, text in enumerate(_included(inc["path"], root), 1)]
         found += [f"{where} ({len(text)} chars): {text.strip()[:60]}..." for where, text in code if len(text) > limit]
     return found
 

@@ -1,8 +1,8 @@
 """The apex loop of apex_before.py as autocast + GradScaler on fmp.torch (the torch.amp recipe).
 
-The "after" listing of the apex migration page: the model stays float32, autocast picks the dtype
-per op, ``GradScaler`` scales the loss and skips non-finite steps. ``import torch.amp as amp`` runs
-it unchanged.
+The "after" listing of the apex migration page: the model stays float32, autocast picks the
+dtype per op, ``GradScaler`` scales the loss and skips non-finite steps.
+``import torch.amp as amp`` runs it unchanged.
 
     python examples/migration/apex_after.py [--steps 40]
 """
@@ -22,7 +22,7 @@ def main(steps: int = 40) -> None:
         torch.float16 if device == "cuda" else torch.bfloat16
     )  # bfloat16 is CPU autocast's default
     x = torch.randn(512, 20, device=device)
-    y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, a learnable rule
+    y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, learnable
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     scaler = amp.GradScaler(device)

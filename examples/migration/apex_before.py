@@ -19,7 +19,7 @@ def main(steps: int = 40) -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(512, 20, device=device)
-    y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, a learnable rule
+    y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, learnable
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device).half()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     optimizer = FP16_Optimizer(optimizer, dynamic_loss_scale=True, verbose=False)

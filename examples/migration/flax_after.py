@@ -1,7 +1,7 @@
 """The flax loop of flax_before.py with ``fmp.GradScaler`` in place of ``DynamicScale``.
 
-The "after" listing of the flax migration page: the scaler, its call and the skip change, nothing
-else.
+The "after" listing of the flax migration page: the scaler, its call and the skip change,
+nothing else.
 
     python examples/migration/flax_after.py [--steps 200]
 """
@@ -20,7 +20,7 @@ import fmp
 class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(nn.Dense(64, dtype=jnp.float16)(x))  # params stay float32, computed in float16
+        x = nn.relu(nn.Dense(64, dtype=jnp.float16)(x))  # float32 params, float16 compute
         return nn.Dense(3, dtype=jnp.float16)(x)
 
 
@@ -50,7 +50,7 @@ def train_step(state, x, y):
 def main(steps: int = 200) -> None:
     kx, kw, kp = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (512, 20))
-    y = jnp.argmax(x[:, :3] @ jax.random.normal(kw, (3, 3)), axis=1)  # 3 classes, a learnable rule
+    y = jnp.argmax(x[:, :3] @ jax.random.normal(kw, (3, 3)), axis=1)  # 3 classes, learnable
     model = MLP()
     state = TrainState.create(
         apply_fn=model.apply,
@@ -63,9 +63,11 @@ def main(steps: int = 200) -> None:
         state, loss = train_step(state, x[batch], y[batch])
         if step % 50 == 0:
             print(
-                f"step {step:3d}  loss {float(loss):.4f}  scale {float(state.scaler.loss_scale):g}"
+                f"step {step:3d}  loss {float(loss):.4f}  "
+                f"scale {float(state.scaler.loss_scale):g}"
             )
-    accuracy = float(jnp.mean(jnp.argmax(model.apply({"params": state.params}, x), axis=1) == y))
+    logits = model.apply({"params": state.params}, x)
+    accuracy = float(jnp.mean(jnp.argmax(logits, axis=1) == y))
     print(f"final loss {float(loss)!r}; train accuracy {100 * accuracy:.1f}%")
 
 

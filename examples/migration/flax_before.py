@@ -21,7 +21,7 @@ from flax.training.dynamic_scale import DynamicScale
 class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
-        x = nn.relu(nn.Dense(64, dtype=jnp.float16)(x))  # params stay float32, computed in float16
+        x = nn.relu(nn.Dense(64, dtype=jnp.float16)(x))  # float32 params, float16 compute
         return nn.Dense(3, dtype=jnp.float16)(x)
 
 
@@ -37,7 +37,8 @@ def train_step(state, x, y):
             logits.astype(jnp.float32), y
         ).mean()
 
-    dynamic_scale, finite, loss, grads = state.dynamic_scale.value_and_grad(loss_fn)(state.params)
+    grad_fn = state.dynamic_scale.value_and_grad(loss_fn)
+    dynamic_scale, finite, loss, grads = grad_fn(state.params)
     new_state = state.apply_gradients(grads=grads)
     # skip the step if the grads hold inf/NaN
     keep_if_finite = functools.partial(jnp.where, finite)
@@ -52,7 +53,7 @@ def train_step(state, x, y):
 def main(steps: int = 200) -> None:
     kx, kw, kp = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (512, 20))
-    y = jnp.argmax(x[:, :3] @ jax.random.normal(kw, (3, 3)), axis=1)  # 3 classes, a learnable rule
+    y = jnp.argmax(x[:, :3] @ jax.random.normal(kw, (3, 3)), axis=1)  # 3 classes, learnable
     model = MLP()
     state = TrainState.create(
         apply_fn=model.apply,
@@ -68,7 +69,8 @@ def main(steps: int = 200) -> None:
                 f"step {step:3d}  loss {float(loss):.4f}  "
                 f"scale {float(state.dynamic_scale.scale):g}"
             )
-    accuracy = float(jnp.mean(jnp.argmax(model.apply({"params": state.params}, x), axis=1) == y))
+    logits = model.apply({"params": state.params}, x)
+    accuracy = float(jnp.mean(jnp.argmax(logits, axis=1) == y))
     print(f"final loss {float(loss)!r}; train accuracy {100 * accuracy:.1f}%")
 
 

@@ -48,14 +48,15 @@ def train_step(params, opt_state, loss_scale, x, y):
     loss_scale = loss_scale.adjust(finite)
     updates, new_opt_state = opt.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+    new, old = (new_params, new_opt_state), (params, opt_state)
+    params, opt_state = jmp.select_tree(finite, new, old)
     return params, opt_state, loss_scale, loss
 
 
 def main(steps: int = 200) -> None:
     kx, kw, kp = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (512, 20))
-    y = jnp.argmax(x[:, :3] @ jax.random.normal(kw, (3, 3)), axis=1)  # 3 classes, a learnable rule
+    y = jnp.argmax(x[:, :3] @ jax.random.normal(kw, (3, 3)), axis=1)  # 3 classes, learnable
     params = init(kp)
     opt_state = opt.init(params)
     loss_scale = jmp.DynamicLossScale(jnp.float32(2**15))
@@ -66,7 +67,8 @@ def main(steps: int = 200) -> None:
         )
         if step % 50 == 0:
             print(
-                f"step {step:3d}  loss {float(loss):.4f}  scale {float(loss_scale.loss_scale):g}"
+                f"step {step:3d}  loss {float(loss):.4f}  "
+                f"scale {float(loss_scale.loss_scale):g}"
             )
     accuracy = float(jnp.mean(jnp.argmax(mlp(params, x), axis=1) == y))
     print(

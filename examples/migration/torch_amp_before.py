@@ -21,7 +21,7 @@ def main(steps: int = 40) -> None:
         torch.float16 if device == "cuda" else torch.bfloat16
     )  # bfloat16 is CPU autocast's default
     x = torch.randn(512, 20, device=device)
-    y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, a learnable rule
+    y = (x[:, :3] @ torch.randn(3, 3, device=device)).argmax(dim=1)  # 3 classes, learnable
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     scaler = amp.GradScaler(device)

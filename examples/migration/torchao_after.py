@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fmp
-import fmp.torch  # was: from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+import fmp.torch  # was: from torchao.float8 import convert_to_float8_training
 
 
 def main(steps: int = 40) -> None:
@@ -21,8 +21,9 @@ def main(steps: int = 40) -> None:
     x = torch.randn(512, 32)
     y = (x[:, :4] @ torch.randn(4, 16)).argmax(dim=1)  # 16 classes, a learnable rule
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
-    recipe = fmp.Float8Recipe.from_peer("torchao_rowwise")  # torchao's "rowwise", field for field
-    model = fmp.torch.autocast_fx(model, (x[:64],), fmp.Policy("f32", "bf16", "f32", fp8=recipe))
+    recipe = fmp.Float8Recipe.from_peer("torchao_rowwise")  # torchao's "rowwise", exactly
+    policy = fmp.Policy("f32", "bf16", "f32", fp8=recipe)
+    model = fmp.torch.autocast_fx(model, (x[:64],), policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     for step in range(steps):

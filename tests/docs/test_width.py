@@ -45,6 +45,17 @@ def test_width_check_sees_blocks_includes_and_sections(hooks, tmp_path):
     assert [w.split(": ")[0] for w in found] == ["ex.py:s:1 (106 chars)"]
 
 
+def test_width_check_counts_the_indentation_of_blocks_in_lists_and_admonitions(hooks, tmp_path):
+    """A block inside a collapsed ``???`` or a list is as wide in the raw page as its indentation plus its
+    text: 97 characters indented by 4 are 101 there, too wide; 96 fit."""
+    _, width = hooks
+    (tmp_path / "ex.py").write_text("a" * 97 + "\n" + "b" * 96 + "\n")
+    page = '??? "Full file"\n\n    ```python\n    ' + "x" * 97 + "\n    " + "y" * 96 + "\n    ```\n"
+    assert [w.split(": ")[0] for w in width.long_lines(page, tmp_path)] == ["line 4 (101 chars)"]
+    listed = '- item\n\n    ```python\n    --8<-- "ex.py"\n    ```\n'
+    assert [w.split(": ")[0] for w in width.long_lines(listed, tmp_path)] == ["ex.py:1 (101 chars)"]
+
+
 MIGRATIONS = {"torch-amp": "torch_amp", "jmp": "jmp", "flax": "flax", "apex": "apex", "torchao": "torchao"}
 
 
