@@ -15,6 +15,8 @@ from fmp._core._rules import RuleSet as RuleSet
 from fmp._core._scaler_rule import ScaleHealthWarning as ScaleHealthWarning
 from fmp._float8 import Float8Recipe as Float8Recipe
 from fmp._float8 import Float8State as Float8State
+from fmp._float8._quantize import Quantized as Quantized
+from fmp._float8._quantize import quantize as quantize
 from fmp._policy import Policy as Policy
 from fmp._policy import cast_tree as cast_tree
 from fmp._policy import get_policy as get_policy
@@ -35,6 +37,7 @@ __all__ = [
     "Float8State",
     "GradScaler",
     "Policy",
+    "Quantized",
     "RuleSet",
     "ScaleHealthWarning",
     "all_finite",
@@ -48,6 +51,7 @@ __all__ = [
     "get_policy",
     "grad",
     "nonfinite_leaves",
+    "quantize",
     "select_tree",
     "value_and_grad",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 # canonical name -> accepted spellings (case-insensitive)
 FLOAT_ALIASES: dict[str, tuple[str, ...]] = {
     "float16": ("float16", "f16", "half", "fp16"),
@@ -45,3 +47,30 @@ def widest(names: list[str] | tuple[str, ...]) -> str:
     if unique == {"float16", "bfloat16"}:
         return "float32"
     return max(unique, key=lambda n: _WIDTH[n])
+
+
+# The block-scaled ("microscaled") formats: the element format, its largest value and the exponent of its
+# largest power of two (``emax``), its mantissa bits, the block length along the contraction, and the dtype of
+# the per-block scale. MX: the OCP Microscaling spec v1.0 (e8m0 scales, 32-element blocks); NVFP4: NVIDIA's
+# (e4m3 scales, 16-element blocks, plus one float32 scale per tensor).
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+    """The static facts of one block-scaled format (names are NumPy/JAX dtype names)."""
+
+    name: str
+    element: str
+    element_max: float
+    emax: int
+    mbits: int
+    block: int
+    scale: str
+
+
+BLOCK_FORMATS: dict[str, BlockFormat] = {
+    "mxfp8": BlockFormat("mxfp8", "float8_e4m3fn", 448.0, 8, 3, 32, "float8_e8m0fnu"),
+    "mxfp8_e5m2": BlockFormat("mxfp8_e5m2", "float8_e5m2", 57344.0, 15, 2, 32, "float8_e8m0fnu"),
+    "mxfp4": BlockFormat("mxfp4", "float4_e2m1fn", 6.0, 2, 1, 32, "float8_e8m0fnu"),
+    "nvfp4": BlockFormat("nvfp4", "float4_e2m1fn", 6.0, 2, 1, 16, "float8_e4m3fn"),
+}
+# the largest e4m3 value: NVFP4's block scale saturates there
+E4M3_MAX = 448.0

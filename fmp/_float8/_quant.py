@@ -141,7 +141,7 @@ def abs_max(x: jax.Array, axis: object = None) -> jax.Array:
     return lax.expand_dims(lax.reduce_max(y, axes), axes)
 
 
-def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     extra = -x.shape[axis] % multiple
     if not extra:
         return x
@@ -156,7 +156,7 @@ def qdq_first(x: jax.Array, dtype: jax.typing.DTypeLike, scaling: str, block: in
         s = row_scales(x, dtype, scaling, pow2, first=True)
         return dequantize(quantize(x, s, dtype), s)
     bsz, m, k = x.shape
-    xp = _pad(x, 2, block).reshape(bsz, m, -1, block)  # 1 x block tiles along k
+    xp = pad_to(x, 2, block).reshape(bsz, m, -1, block)  # 1 x block tiles along k
     s = scale_from_amax(abs_max(xp, 3), dtype, pow2=pow2)
     return dequantize(quantize(xp, s, dtype), s).reshape(bsz, m, -1)[:, :, :k]
 
@@ -174,7 +174,7 @@ def qdq_second(
         return dequantize(quantize(x, s, dtype), s)
     bsz, k, n = x.shape
     cols = 1 if tiles else block
-    xp = _pad(_pad(x, 1, block), 2, cols)
+    xp = pad_to(pad_to(x, 1, block), 2, cols)
     xp = xp.reshape(bsz, xp.shape[1] // block, block, xp.shape[2] // cols, cols)
     s = scale_from_amax(abs_max(xp, (2, 4)), dtype, pow2=pow2)
     out = dequantize(quantize(xp, s, dtype), s)
