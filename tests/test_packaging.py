@@ -280,8 +280,11 @@ def test_pyproject_claims_only_what_is_tested():
     # minor version, and it holds the installed one
     pinned = {
         name: sorted(
-            (Version(v) for f in (ROOT / ".ci").glob("constraints-py3.*.txt")
-             for v in re.findall(rf"^{name}==(\S+)$", f.read_text(), re.M)),
+            (
+                Version(v)
+                for f in (ROOT / ".ci").glob("constraints-py3.*.txt")
+                for v in re.findall(rf"^{name}==(\S+)$", f.read_text(), re.M)
+            ),
         )  # fmt: skip
         for name in ("jax", "jaxlib")
     }

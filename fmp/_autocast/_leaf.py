@@ -28,7 +28,7 @@ from fmp._autocast._engine._interp import bind
 from fmp._autocast._engine._provenance import BIAS, NOT_LOW, epilogue_sides, weight_of
 from fmp._autocast._float8 import float8
 from fmp._core import _dtypes
-from fmp._core._rules import Category, decide
+from fmp._core._rules import OVERRIDE, Category, decide, joined, moved
 from fmp._policy import Policy
 
 
@@ -120,6 +120,9 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
                 new = [cast(x, unify, ctx, eqn, scope) if i in floats else x for i, x in enumerate(invals)]
             else:
                 new = [cast(x, orig[i].dtype, ctx, eqn, scope) if i in changed else x for i, x in enumerate(invals)]
+    by_rules = moved(ctx.rules, prim.name)
+    if by_rules:
+        rule, detail = OVERRIDE, joined(by_rules, detail)
     params = dict(eqn.params)
     if target is not None and params.get("preferred_element_type") is not None:
         params["preferred_element_type"] = _preferred(eqn, target)

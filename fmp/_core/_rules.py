@@ -365,3 +365,20 @@ Examples:
   >>> fmp.DEFAULT_RULES.category("aten::mm", framework="torch", device="cpu")
   <Category.LOWER_PRECISION: 'lower_precision'>
 """
+
+
+OVERRIDE = "override"  # the report's rule for an op that ``overrides`` or a moved rule decided (both frameworks)
+
+
+def moved(rules: RuleSet, name: str, framework: str = "jax", device: str | None = None) -> str:
+    """Why op ``name`` reads ``override`` in a report when ``rules`` moved it out of its default category
+    (``"float32 by rules, default lower_precision"``), ``""`` where ``rules`` decides it as the default does."""
+    if rules is DEFAULT_RULES:
+        return ""
+    mine, base = rules.category(name, framework, device), DEFAULT_RULES.category(name, framework, device)
+    return "" if mine is base else f"{mine.value} by rules, default {base.value}"
+
+
+def joined(*parts: str) -> str:
+    """The non-empty ``parts`` of a row's detail, joined with ``"; "``."""
+    return "; ".join(p for p in parts if p)

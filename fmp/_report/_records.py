@@ -117,6 +117,7 @@ class OpRecord:
 
 
 LOW = ("bfloat16", "float16")
+_ISLAND = ("float32", "override")  # the rules whose float32 rows make a float32 island (the rule's or a fix's)
 _LOCATION = re.compile(r"(?P<path>.+?)(?P<rest>:\d+.*)")
 
 
@@ -283,7 +284,9 @@ class Report:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """Totals: FLOPs and their low-precision share, casts inserted, float32 islands."""
+        """Totals of what ran: FLOPs and the share of them whose outputs are low-precision, casts inserted, and
+        float32 islands (runs of ops that the rule table or an override put in float32, casts between them
+        aside)."""
         total = sum(r.flops for r in self.records)
         low = sum(r.flops for r in self.records if any(d in LOW for d in r.out_after))
         fp8 = sum(r.flops for r in self.records if r.category == "float8")
@@ -291,7 +294,7 @@ class Report:
         islands = 0
         inside = False
         for r in self.records:
-            is_f32 = r.category == "float32" and "float32" in r.out_after
+            is_f32 = r.category in _ISLAND and "float32" in r.out_after and not set(r.out_after) & set(LOW)
             if is_f32 and not inside:
                 islands += 1
             if r.category != "cast":

@@ -67,7 +67,7 @@ def test_override_by_module_path_keeps_head_in_float32():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.array_equal(np.asarray(got), np.asarray(nnx.jit(fmp.autocast(_run, "mixed_float8"))(model, x)))
     rep = fmp.explain(_run, "mixed_float8", overrides={"blocks/1": "mixed_bfloat16"})(model, x)
-    assert [r.category for r in rep.records if r.op == "dot_general"] == ["float8", "lower_precision", "float8"]
+    assert [r.category for r in rep.records if r.op == "dot_general"] == ["float8", "override", "float8"]
 
 
 def test_override_that_matches_no_module_warns():

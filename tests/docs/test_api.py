@@ -8,7 +8,15 @@ import re
 import pytest
 from _helpers.common import ROOT
 
-MODULES = ["fmp", "fmp.testing", "fmp.optax", "fmp.torch", "fmp.torch.cuda", "fmp.torch.cuda.amp", "fmp.torch.fp16_utils"]
+MODULES = [
+    "fmp",
+    "fmp.testing",
+    "fmp.optax",
+    "fmp.torch",
+    "fmp.torch.cuda",
+    "fmp.torch.cuda.amp",
+    "fmp.torch.fp16_utils",
+]
 DOCS = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
 ENTRIES = set(re.findall(r"^::: ([\w.]+)", DOCS, re.M))
 
@@ -98,7 +106,10 @@ def test_help_reads_plain_names_and_the_site_links_them():
     assert refs.link("`loss_scaled`, `GradScaler.state_dict`", exists) == (
         "[`loss_scaled`][fmp.optax.loss_scaled], [`GradScaler.state_dict`][fmp.GradScaler.state_dict]"
     )
-    assert refs.link("`fmp._scaling._scaler`, `nope`, ``GradScaler``", exists) == "`fmp._scaling._scaler`, `nope`, ``GradScaler``"
+    assert (
+        refs.link("`fmp._scaling._scaler`, `nope`, ``GradScaler``", exists)
+        == "`fmp._scaling._scaler`, `nope`, ``GradScaler``"
+    )
 
 
 def test_docs_build_warns_on_a_raw_role(caplog):

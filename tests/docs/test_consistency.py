@@ -45,7 +45,7 @@ def test_float8_gpu_ratios_agree_with_the_h200_table():
     gpu = _section("benchmarks.md", "## On a GPU")
     rows = _rows(gpu)
     tensorwise = rows["float8 tensorwise (`Float8Recipe()`)"][1]
-    rowwise = rows["float8 rowwise (`Float8Recipe(\"rowwise\")`)"][1]
+    rowwise = rows['float8 rowwise (`Float8Recipe("rowwise")`)'][1]
     step = {name: float(cells[0]) for name, cells in rows.items() if re.fullmatch(r"[0-9.]+", cells[0] or "")}
     bf16 = step["`fmp.autocast` bfloat16"]
     slower_t = round(100 * (step["`fmp.autocast` float8 tensorwise"] / bf16 - 1))
@@ -56,7 +56,9 @@ def test_float8_gpu_ratios_agree_with_the_h200_table():
     for path in sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]:
         text = _text(path)
         for t, r in re.findall(r"(\d\.\d+)x \(tensorwise\) and (\d\.\d+)x \(rowwise\)", text):
-            assert (t, r) == (tensorwise, rowwise), f"{path.name} quotes {t}x/{r}x, the H200 table {tensorwise}/{rowwise}"
+            assert (t, r) == (tensorwise, rowwise), (
+                f"{path.name} quotes {t}x/{r}x, the H200 table {tensorwise}/{rowwise}"
+            )
             quoted += 1
         for t, r in re.findall(r"(\d+)% (?:\(tensorwise\) )?and (\d+)% (?:\(rowwise\) )?slower", text):
             assert (int(t), int(r)) == (slower_t, slower_r), f"{path.name} quotes {t}%/{r}% slower"

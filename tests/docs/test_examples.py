@@ -40,11 +40,27 @@ FAST = {
     # growth every 20 steps: the scale doubles on the last of the 60 steps, after the last step it plots; the
     # story itself (float16 without scaling stuck at the average digit) needs the full run: test_main_default_run
     "main": (
-        "main.py", "--steps", "60", "--growth-interval", "20", "--checks", "2",
-        "--runs", "float32,float16+scaling,float16", "--no-plot", "--quiet",
+        "main.py",
+        "--steps",
+        "60",
+        "--growth-interval",
+        "20",
+        "--checks",
+        "2",
+        "--runs",
+        "float32,float16+scaling,float16",
+        "--no-plot",
+        "--quiet",
     ),  # fmt: skip
 }
-_TORCH_RUNS = {"torch_facade", "torch_fx", "apex_migration", "migration/torch_amp", "migration/apex", "migration/torchao"}
+_TORCH_RUNS = {
+    "torch_facade",
+    "torch_fx",
+    "apex_migration",
+    "migration/torch_amp",
+    "migration/apex",
+    "migration/torchao",
+}
 _futures: dict[str, concurrent.futures.Future] = {}
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
 _prefetch: list[str] = []  # the runs to start on first use
@@ -411,7 +427,13 @@ def test_docs_include_existing_example_sections():
 def test_migration_pages_show_the_tested_listings():
     """Each migration page holds its before/after files whole (tests/docs/test_synced.py keeps the copies
     current), so the docs show what runs."""
-    pages = {"torch_amp": "torch-amp.md", "jmp": "jmp.md", "flax": "flax.md", "apex": "apex.md", "torchao": "torchao.md"}
+    pages = {
+        "torch_amp": "torch-amp.md",
+        "jmp": "jmp.md",
+        "flax": "flax.md",
+        "apex": "apex.md",
+        "torchao": "torchao.md",
+    }
     assert set(pages) == set(MIGRATIONS)
     for name, page in pages.items():
         text = (ROOT / "docs" / "migration" / page).read_text()

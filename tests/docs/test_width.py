@@ -33,7 +33,9 @@ def test_code_lines_fit_the_page(page, hooks):
 
 def test_width_check_sees_blocks_includes_and_sections(hooks, tmp_path):
     _, width = hooks
-    (tmp_path / "ex.py").write_text("x = 1\n    # --8<-- [start:s]\n    y = '" + "y" * 100 + "'\n    # --8<-- [end:s]\n")
+    (tmp_path / "ex.py").write_text(
+        "x = 1\n    # --8<-- [start:s]\n    y = '" + "y" * 100 + "'\n    # --8<-- [end:s]\n"
+    )
     wide = "z" * 101
     page = f"text {wide}\n\n```python\nok\n{wide}\n```\n\n    ```text\n    {wide}\n    ```\n"
     assert [w.split(" (")[0] for w in width.long_lines(page, tmp_path)] == ["line 5", "line 9"]

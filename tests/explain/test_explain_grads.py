@@ -183,5 +183,7 @@ def test_the_widened_run_treats_the_float16_rounding_mark_as_the_identity():
 
     x = jnp.linspace(1.1e-7, 3.3e-7, 8).reshape(1, 8)  # float16 subnormal range: its grid would move them
     closed = jax.make_jaxpr(fmp.autocast(lambda x, w: x @ w, "mixed_float16"))(x, jnp.eye(8))
-    (out,) = _Runs(jnp.float32, (), fmp.DEFAULT_RULES, 1.0, True).lifted_eval(closed.jaxpr, closed.consts, [x, jnp.eye(8)])
+    (out,) = _Runs(jnp.float32, (), fmp.DEFAULT_RULES, 1.0, True).lifted_eval(
+        closed.jaxpr, closed.consts, [x, jnp.eye(8)]
+    )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))

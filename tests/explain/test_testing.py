@@ -33,7 +33,9 @@ def test_an_overflow_fails_naming_the_line_the_error_and_the_fix():
         assert_precision(loss, "mixed_float16", _X * 1e3)
     msg = str(err.value)
     assert msg.startswith("1 op needs a fix (float16 unit roundoff")
-    assert re.search(r"worst op: #\d+ dot_general at tests/explain/test_testing\.py:\d+:\d+ \(.*loss\): added error inf", msg)
+    assert re.search(
+        r"worst op: #\d+ dot_general at tests/explain/test_testing\.py:\d+:\d+ \(.*loss\): added error inf", msg
+    )
     assert "output: relative error inf" in msg
     assert "\nfix: " in msg
 

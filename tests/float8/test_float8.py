@@ -278,7 +278,9 @@ def test_mx_recipe_has_a_clear_error_off_gpu():
 def test_quantisation_is_traced_once_per_shape_not_once_per_matmul(monkeypatch):
     calls = []
     scales = _quant.row_scales  # called once per traced product for its first operand
-    monkeypatch.setattr(_quant, "row_scales", lambda *a, **k: (calls.append(1) if k["first"] else None) or scales(*a, **k))
+    monkeypatch.setattr(
+        _quant, "row_scales", lambda *a, **k: (calls.append(1) if k["first"] else None) or scales(*a, **k)
+    )
 
     def stack(ws, x):  # four layers of the same shape
         for w in ws:

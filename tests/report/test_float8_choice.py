@@ -64,7 +64,8 @@ def test_the_suggestion_applied_takes_the_head_out_of_float8_and_out_of_needs_fi
     fixed = fmp.explain(lm, "mixed_float8", compare=True, **rep.suggested())(planted(), X)
     assert fixed.needs_fix == []
     (head,) = [r for r in fixed.records if r.op == "dot_general" and r.scope == "lm_head"]
-    assert head.category == "lower_precision" and head.out_after == ("bfloat16",)
+    assert head.category == "override" and head.out_after == ("bfloat16",)
+    assert head.detail == "bfloat16 by overrides, rule lower_precision"
     assert set(_float8(fixed)) == {"block0", "block1", "block2"}  # the rest stays in float8
 
 

@@ -19,7 +19,7 @@ from jax.extend.core import JaxprEqn
 from fmp._autocast._engine import _rows
 from fmp._autocast._engine._provenance import Frame
 from fmp._core import _dtypes, _scopes
-from fmp._core._rules import RuleSet
+from fmp._core._rules import OVERRIDE, RuleSet, joined
 from fmp._policy import Policy
 from fmp._report._records import OpRecord, short_source
 
@@ -196,6 +196,24 @@ def record_eqn(
         detail=detail,
         why=why,
     )
+
+
+# the rules whose rows an override relabels: what the rule table decided (casts and user casts stay theirs)
+_DECIDED = frozenset({"lower_precision", "float32", "promote", "unlisted", "epilogue", OVERRIDE})
+
+
+def overridden(ctx: Context, mark: int, policy: Policy) -> None:
+    """The rows from ``mark`` on, which the rule table decided under an ``overrides`` entry's ``policy``, read
+    ``override``; their detail keeps the rule and names the policy's compute dtype."""
+    if ctx.records is None:
+        return
+    for i in range(mark, len(ctx.records)):
+        r = ctx.records[i]
+        if r.category in _DECIDED:
+            why = f"{policy.compute_dtype.name} by overrides" + (
+                "" if r.category == OVERRIDE else f", rule {r.category}"
+            )
+            ctx.records[i] = dataclasses.replace(r, category=OVERRIDE, detail=joined(why, r.detail))
 
 
 Handler = Callable[[JaxprEqn, list[Any], Context, str], list[Any]]

@@ -25,7 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_par
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast, restore
-from fmp._autocast._engine._context import REGION_SCOPE, Context, record_eqn, source_of
+from fmp._autocast._engine._context import REGION_SCOPE, Context, overridden, record_eqn, source_of
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._provenance import Chain, frame_of, is_inline_call
 from fmp._autocast._engine._weights import (
@@ -110,9 +110,7 @@ def eval_jaxpr(
     if hints:
         frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
     if jaxpr.constvars:
-        frame = dataclasses.replace(
-            frame, consts=Chain(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts)
-        )
+        frame = dataclasses.replace(frame, consts=Chain(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts))
     ctx.frames.append(frame)
     compare = ctx.compare  # explain(compare=True): each equation also runs as written, beside this run
     if compare is not None:
@@ -254,7 +252,11 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
         raise NotImplementedError(_MSG_UNHANDLED.format(name=prim.name))
     if ctx.leaf is None:
         raise TypeError("fmp.autocast: a Context needs its rules; build it with _transform.make_context")
-    return ctx.leaf(eqn, invals, ctx, scope, policy)
+    mark = len(ctx.records) if ctx.records is not None else 0
+    outs = ctx.leaf(eqn, invals, ctx, scope, policy)
+    if mode == "override":
+        overridden(ctx, mark, policy)
+    return outs
 
 
 def _scoped_float8(ctx: Context) -> bool:

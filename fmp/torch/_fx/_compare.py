@@ -13,6 +13,7 @@ and the fixes are the comparison core's (``fmp._report``), the JAX side's own, o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from fmp._report import _compare as core
 from fmp._report._blame import charged, fill
 from fmp._report._grads import GradError, grad_error
 from fmp._report._records import LOW, OpRecord
-from fmp.torch._fx._common import TO_COPY, Event, ambient_autocast
+from fmp.torch._fx._common import TO_COPY, Event, ambient_autocast, float_names
 from fmp.torch._fx._nested import ENTER_AUTOCAST, EXIT_AUTOCAST
 
 _SKIP = (torch._C._set_grad_enabled,)  # grad mode switches: the forward comparison runs without autograd
@@ -215,6 +216,12 @@ def _alone(
         return None
 
 
+def _as_ran(row: OpRecord, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> OpRecord:
+    """``row`` with the floating dtypes of the values the policy run gave ``node`` and its inputs."""
+    ins = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env.get(a))
+    return dataclasses.replace(row, in_after=float_names(ins), out_after=float_names(env.get(node)))
+
+
 def compare(
     bound: torch.fx.GraphModule,
     new: torch.fx.GraphModule,
@@ -261,7 +268,8 @@ def compare(
             added = output_stats(alone, baseline)[0] if alone is not None and baseline is not None else None
             stats = output_stats(pol.env[n], ref.env[b])
             made = [r for a in b.all_input_nodes if (r := row_at(a)) is not None]
-            rows[row_of[n]] = fill(rows[row_of[n]], stats, added, rules, None if down else upstream, "torch", made)
+            row = _as_ran(rows[row_of[n]], n, pol.env)
+            rows[row_of[n]] = fill(row, stats, added, rules, None if down else upstream, "torch", made)
     return rows
 
 

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fmp._core import _scopes
-from fmp._core._rules import Category, RuleSet, decide
+from fmp._core._rules import OVERRIDE, Category, RuleSet, decide, moved
 from fmp.torch._fx._casts import CastCache
 from fmp.torch._fx._common import (
     ASSERT_META,
@@ -190,7 +190,11 @@ class Rewriter(GraphBuilder):
         line is a source-location key's (``"model.py:12"``)."""
         path = module_path(node)
         for key in self.written:
-            if _scopes.matches_location(node_source(node), key) if _scopes.is_location(key) else _scopes.matches(path, key):
+            if (
+                _scopes.matches_location(node_source(node), key)
+                if _scopes.is_location(key)
+                else _scopes.matches(path, key)
+            ):
                 return True
         return False
 
@@ -243,10 +247,14 @@ class Rewriter(GraphBuilder):
         if self.events is not None:
             ins = float_names(self.value_of((args, kwargs)))
             cat = "user_cast" if key == "aten::_to_copy" or key.startswith("aten::to.") else Category.UNLISTED.value
-            cat = f"{cat} (autocast inside)" if inside else "override" if written else cat
-            self.events.append(
-                Event(key, cat, new, node, inputs_before(self, node), ins, float_names(plain(self, node)))
-            )
+            listed = device in ("cpu", "cuda") and cat != "user_cast"  # a rule-table op, not the program's cast
+            detail = moved(self.rules, key, "torch", device) if enabled and listed else ""
+            if written and cat != "user_cast":
+                rule = self.rules.category(key, "torch", device).value if listed else cat
+                detail = f"float32 by overrides, rule {rule}"
+            cat = f"{cat} (autocast inside)" if inside else OVERRIDE if detail else cat
+            before = inputs_before(self, node)
+            self.events.append(Event(key, cat, new, node, before, ins, float_names(plain(self, node)), detail))
         return new
 
     def _listed(self, node, op, key, category, device, compute, args, kwargs):
@@ -283,8 +291,18 @@ class Rewriter(GraphBuilder):
         self._casts.invalidate(target_op, args, kwargs)
         if self.events is not None:
             rule = category.value if variant is None else f"{category.value} ({variant})"
+            detail = moved(self.rules, key, "torch", device)
             ins = float_names(self.value_of((args, kwargs)))
             self.events.append(
-                Event(key, rule, new, node, inputs_before(self, node), ins, float_names(plain(self, node)))
+                Event(
+                    key,
+                    OVERRIDE if detail else rule,
+                    new,
+                    node,
+                    inputs_before(self, node),
+                    ins,
+                    float_names(plain(self, node)),
+                    detail,
+                )
             )
         return new

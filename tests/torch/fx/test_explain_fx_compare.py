@@ -312,7 +312,7 @@ def test_a_model_run_as_written_reports_zero_everywhere():
         model, (x,), CPU, rules=SOFTMAX_BF16, compare=True, grads=False, overrides={"0": "float32"}
     )
     compared = [r for r in rep.records if r.error is not None]
-    assert len(compared) > 10 and all(r.category in ("override", "cast") for r in rep.records)
+    assert len(compared) > 10 and all(r.category in ("override", "cast", "user_cast") for r in rep.records)
     assert all(r.error == 0.0 and r.added_error == 0.0 and r.suggestion is None for r in compared)
 
 

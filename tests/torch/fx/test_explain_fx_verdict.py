@@ -41,4 +41,3 @@ def test_a_planted_softmax_in_bfloat16_needs_a_fix():
     rep = fmp.torch.explain_fx(lambda x: torch.softmax(x, -1), (x,), ("cpu", torch.bfloat16), rules=rules, compare=True)
     assert [r.op for r in rep.needs_fix] == ["aten::softmax.int"]
     assert str(rep).startswith("1 op needs a fix (bfloat16")
-
