@@ -253,7 +253,10 @@ def test_jax_internals_are_imported_in_one_module_only():
 
     from _helpers.common import ROOT
 
-    allowed = ROOT / "fmp" / "_autocast" / "_engine" / "_jax_internals.py"
+    # the folder's topic modules; its __init__ only re-exports
+    room = ROOT / "fmp" / "_autocast" / "_engine" / "_jax_internals"
+    allowed = {room / "_trace.py", room / "_higher_order.py", room / "_staging.py"}
+    users = set()
     for path in (ROOT / "fmp").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
@@ -262,7 +265,9 @@ def test_jax_internals_are_imported_in_one_module_only():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             if any(n.startswith("jax._src") for n in names):
-                assert path == allowed, f"{path} imports {names}; move it to {allowed.name}"
+                assert path in allowed, f"{path} imports {names}; move it to {room.name}/"
+                users.add(path)
+    assert users == allowed, sorted(users)  # the docstrings name these three: each is one
 
 
 def test_autocast_evaluates_the_program_autocast_jaxpr_returns():

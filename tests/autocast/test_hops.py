@@ -271,7 +271,7 @@ def test_explain_report():
     assert ops["dot_general"].out_after == ("bfloat16",)
     assert ops["dot_general"].category == "lower_precision"
     assert ops["dot_general"].flops == 2 * 4 * 4 * 4
-    assert "test_autocast_hops.py" in ops["dot_general"].source
+    assert "test_hops.py" in ops["dot_general"].source
     assert ops["exp"].out_after == ("float32",) and ops["exp"].category == "float32"
     assert ops["reduce_sum"].in_after == ("float32",)
     s = rep.summary

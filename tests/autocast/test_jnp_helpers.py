@@ -208,6 +208,7 @@ def test_rewrite_caches_are_safe_across_threads(monkeypatch):
 
 def test_a_value_used_once_is_cast_inside_the_kept_call_and_one_used_twice_at_it(monkeypatch):
     from fmp._autocast._engine import _jax_internals
+    from fmp._autocast._engine._jax_internals import _staging
 
     def f(x, w1, w2):
         return jnp.sum(jnp.tanh(x @ w1) @ w2) + jnp.sum(x @ w2)  # w1 used once; x and w2 twice
@@ -216,7 +217,7 @@ def test_a_value_used_once_is_cast_inside_the_kept_call_and_one_used_twice_at_it
         with _jax_internals.keep_inline_calls():
             return fmp.autocast(f)(*args)
 
-    monkeypatch.setattr(_jax_internals, "_jax_own", lambda closed: True)
+    monkeypatch.setattr(_staging, "_jax_own", lambda closed: True)
     top = jax.make_jaxpr(kept)(jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr
     x, w1, w2 = top.invars
     # a cast is a jitted helper where it is bound under grad or vmap; a staging trace (this one) gets its equation

@@ -1,1 +1,1 @@
-"""The jaxpr interpreter under autocast: context, casts, provenance walks, weights, rows, and the only room that touches jax._src (_jax_internals). Imports nothing else of fmp._autocast."""
+"""The jaxpr interpreter under autocast: context, casts, provenance walks, weights, rows, and the only room that touches jax._src (the _jax_internals folder: tracing, higher-order primitives, the staging rule installed on first use). Imports nothing else of fmp._autocast."""
