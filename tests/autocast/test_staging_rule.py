@@ -4,7 +4,6 @@ importing fmp changes no JAX rule, and installing the rule late caches nothing w
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 
 import pytest
@@ -37,8 +36,8 @@ def test_import_fmp_leaves_jax_staging_rules_untouched():
     assert out.split() == ["True", "False", "fmp._autocast._engine._jax_internals._staging", "False"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch, not installed")
 def test_import_fmp_torch_leaves_jax_staging_rules_untouched():
+    pytest.importorskip("torch")
     out = run_python(_RULES + "\n    import fmp.torch\n    print(unchanged())\n")
     assert out.split() == ["True"]
 
