@@ -16,6 +16,7 @@ from jax.extend.core import JaxprEqn
 
 from fmp._autocast._engine import _rows
 from fmp._autocast._engine._context import Context, aval_of, float_names, source_of
+from fmp._core import _dtypes
 from fmp._core._rules import Category
 from fmp._float8 import _bind as _fp8
 from fmp._policy import Policy
@@ -44,7 +45,7 @@ def float8(
             scope=scope,
             category=Category.FLOAT8.value,
             in_before=float_names([v.aval for v in eqn.invars]),
-            in_after=("float8_e4m3fn", "float8_e4m3fn"),
+            in_after=(_dtypes.E4M3, _dtypes.E4M3),
             out_before=float_names([v.aval for v in eqn.outvars]),
             out_after=float_names([aval_of(x) for x in outs]),
             flops=_rows.flops(eqn),

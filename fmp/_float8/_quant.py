@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-E4M3 = jnp.dtype(jnp.float8_e4m3fn)
-E5M2 = jnp.dtype(jnp.float8_e5m2)
-SCALE_MIN, SCALE_MAX = 2.0**-126, 2.0**126  # a scale and its inverse stay normal float32 numbers
+from fmp._core import _dtypes
+from fmp._core._dtypes import SCALE_MAX, SCALE_MIN
+
+E4M3 = jnp.dtype(_dtypes.E4M3)
+E5M2 = jnp.dtype(_dtypes.E5M2)
 F32 = np.float32  # a scalar constant operand (lax broadcasts it)
 
 

@@ -7,8 +7,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fmp._core._dtypes import E4M3, E5M2
+
 SCALINGS = ("tensorwise", "rowwise", "blockwise", "delayed", "mx")
-GRAD_DTYPES = ("float8_e5m2", "float8_e4m3fn")
+GRAD_DTYPES = (E5M2, E4M3)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
 # The peers' named recipes as fmp options: what each peer's own recipe does, in fmp's terms (the float8

@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-from fmp._core._dtypes import LOW_PRECISION as LOW
+from fmp._core._dtypes import LOW_PRECISION
 from fmp._core._rules import RuleSet
 from fmp._report._compare import AMPLIFIED, FAR, OpRecord, Stats, unit_roundoff, with_stats
 from fmp._report._fixes import fix_code
@@ -66,7 +66,7 @@ def passes_on(row: OpRecord) -> bool:
 
 def rounds_down(row: OpRecord) -> bool:
     """The op made low-precision values and rounded them itself: an inherited error is charged to it."""
-    return any(n in LOW for n in row.out_after) and not passes_on(row)
+    return any(n in LOW_PRECISION for n in row.out_after) and not passes_on(row)
 
 
 def passes_on_most(row: OpRecord) -> bool:
@@ -140,9 +140,9 @@ def culprits(
         if row.flips:
             return []
         producers = ()
-    low = [p for p in producers if any(n in LOW for n in p.out_after)]
+    low = [p for p in producers if any(n in LOW_PRECISION for n in p.out_after)]
     if row.flips:
-        rounds_itself = not producers and any(n in LOW for n in row.in_after)
+        rounds_itself = not producers and any(n in LOW_PRECISION for n in row.in_after)
         if not (low or rounds_itself):
             return []
         return low or [row]
@@ -217,6 +217,6 @@ def backward_suggestion(row: OpRecord, forward: Sequence[OpRecord], rules: RuleS
         if f.source_full == row.source_full
         and f.scope == row.scope
         and f.category not in ("cast", "user_cast")
-        and any(n in LOW for n in f.out_after)
+        and any(n in LOW_PRECISION for n in f.out_after)
     ]
     return fix_code(rows, rules) if rows else None

@@ -16,19 +16,11 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from fmp._core._dtypes import UNIT_ROUNDOFF
+
 OpRecord = Any  # fmp._report._records.OpRecord (whose plot imports this module)
 Stats = tuple[Any, Any, Any, bool, int, Any]  # the row fields ``STATS``, in order
 STATS = ("error", "sqnr_db", "max_abs_error", "nonfinite", "flips", "ref_max")
-
-# unit roundoff (half the machine epsilon) of each floating dtype an op may run in
-UNIT_ROUNDOFF = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-    "float8_e4m3fn": 2.0**-4,
-    "float8_e5m2": 2.0**-3,
-}
 
 # an op's own error this many unit roundoffs above its dtype's (or non-finite, or changed discrete outputs)
 # gets a suggestion; a correctly rounded elementwise op adds about one, a well-conditioned reduction a few

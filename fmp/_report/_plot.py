@@ -9,14 +9,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from fmp._core._dtypes import BELOW_FLOAT32, UNIT_ROUNDOFF
 from fmp._core._optional import require
-from fmp._report._compare import UNIT_ROUNDOFF
 
 OpRecord = Any  # fmp._report._records.OpRecord (which imports this module when a plot is drawn)
 _MSG_AX = (
     "Report.plot(ax=...) expects a matplotlib Axes or a pair of them (errors along the program, worst ops), got {got}"
 )
-_LOW = ("float8_e4m3fn", "float8_e5m2", "float16", "bfloat16")  # the dtypes whose roundoff is drawn
 _NAMED = 5  # ops labelled in the left panel at most
 _LABEL = 48  # characters of a scope shown in a label (its end: the innermost modules)
 
@@ -61,7 +60,7 @@ def plot(
     """
     fig, left, right = _axes(ax)
     culprits = [r for r in worst if r.nonfinite or r.flips or (r.added_error or 0.0) > 0.0]
-    low = sorted({d for r in records if r.error is not None for d in r.out_after if d in _LOW})
+    low = sorted({d for r in records if r.error is not None for d in r.out_after if d in BELOW_FLOAT32})
     _program(left, records, culprits, low)
     if ax is None:
         fig.suptitle(title, fontsize=9)

@@ -12,6 +12,7 @@ import os
 import re
 from typing import Any
 
+from fmp._core._dtypes import LOW_PRECISION
 from fmp._report._fixes import combined, localised
 from fmp._report._float8_choice import small_fixes
 from fmp._report._grads import GradReport, format_grads
@@ -116,7 +117,6 @@ class OpRecord:
         return dataclasses.asdict(self)
 
 
-LOW = ("bfloat16", "float16")
 _ISLAND = ("float32", "override")  # the rules whose float32 rows make a float32 island (the rule's or a fix's)
 _LOCATION = re.compile(r"(?P<path>.+?)(?P<rest>:\d+.*)")
 
@@ -288,13 +288,13 @@ class Report:
         float32 islands (runs of ops that the rule table or an override put in float32, casts between them
         aside)."""
         total = sum(r.flops for r in self.records)
-        low = sum(r.flops for r in self.records if any(d in LOW for d in r.out_after))
+        low = sum(r.flops for r in self.records if any(d in LOW_PRECISION for d in r.out_after))
         fp8 = sum(r.flops for r in self.records if r.category == "float8")
         casts = sum(1 for r in self.records if r.category == "cast")
         islands = 0
         inside = False
         for r in self.records:
-            is_f32 = r.category in _ISLAND and "float32" in r.out_after and not set(r.out_after) & set(LOW)
+            is_f32 = r.category in _ISLAND and "float32" in r.out_after and not set(r.out_after) & LOW_PRECISION
             if is_f32 and not inside:
                 islands += 1
             if r.category != "cast":

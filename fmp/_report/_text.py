@@ -7,12 +7,10 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fmp._core._dtypes import MAX_FINITE
 from fmp._report._float8_choice import size_line
 
 OpRecord = Any  # fmp._report._records.OpRecord (whose Report formats itself with this module)
-
-# the largest finite value of each low-precision dtype: what an overflow row sets its values against
-DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
 def inherits(r: OpRecord) -> bool:
@@ -50,8 +48,8 @@ def overflow_text(r: OpRecord) -> str:
     if r.ref_max is None or r.added_error is None or math.isfinite(r.added_error):
         return ""
     for name in r.out_after:
-        if name in DTYPE_MAX and r.ref_max > DTYPE_MAX[name]:
-            return f"|x| up to {r.ref_max:.1e}, {name} max {DTYPE_MAX[name]:.6g}"
+        if name in MAX_FINITE and r.ref_max > MAX_FINITE[name]:
+            return f"|x| up to {r.ref_max:.1e}, {name} max {MAX_FINITE[name]:.6g}"
     return ""
 
 

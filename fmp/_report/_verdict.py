@@ -13,7 +13,8 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-from fmp._report._compare import FAR, UNIT_ROUNDOFF
+from fmp._core._dtypes import UNIT_ROUNDOFF
+from fmp._report._compare import FAR
 from fmp._report._float8_choice import clause
 
 OpRecord = Any  # fmp._report._records.OpRecord (whose Report asks this module for its verdict)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from fmp._arrays import check_value
 from fmp._core import _scaler_rule
+from fmp._core._dtypes import INIT_SCALE
 from fmp._float8._state import Float8State
 from fmp._scaling._checkpoint import ScalerCheckpoint, register_flax
 from fmp._scaling._finite import check_flag
@@ -99,7 +100,7 @@ class GradScaler(ScalerCheckpoint):
       (Array(4., dtype=float32), Array(0, dtype=int32))
     """
 
-    init_scale: float = 2.0**16
+    init_scale: float = INIT_SCALE  # 2**16, as torch.amp.GradScaler
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000

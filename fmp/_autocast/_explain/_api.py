@@ -16,6 +16,7 @@ from fmp._autocast._explain import _cache, _compiled, _forward, _grads
 from fmp._autocast._float8_checks import check_state
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._autocast._wrap import autocast
+from fmp._core._dtypes import INIT_SCALE
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
@@ -170,14 +171,11 @@ def explain(
         back = None
         if grads:
             fp16 = config.policy.compute_dtype == jnp.float16
-            s = scale if scale is not None else (_FP16_SCALE if fp16 else 1.0)
+            s = scale if scale is not None else (INIT_SCALE if fp16 else 1.0)
             back = _grads.compare(fn, policy_fn, args, kwargs, argnums, s, fp16, records, config.rules, traces)
         return Report(records, policy=str(config.policy), framework="jax", compared=compare, grads=back)
 
     return run
-
-
-_FP16_SCALE = 2.0**16  # fmp.GradScaler's initial scale
 
 
 def _grad_args(compare: bool, grads: bool, argnums: Any, loss_scale: Any, policy: Policy) -> tuple[Any, Any]:

@@ -23,9 +23,9 @@ from fmp._autocast._engine._lru import LRU
 from fmp._autocast._explain import _bodies
 from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
 from fmp._autocast._transform import run_top
+from fmp._core._dtypes import LOW_PRECISION
 from fmp._report._blame import fill_rows
 from fmp._report._compare import EXACT_OPS, as_arrived
-from fmp._report._records import LOW
 
 
 class Comparison:
@@ -87,7 +87,7 @@ class Comparison:
         if compared:
             row = records[rows[0]]
             casts = [r for r in records[mark:] if r.category == "cast"]
-            down = any(set(r.out_after) & set(LOW) for r in casts)
+            down = any(set(r.out_after) & LOW_PRECISION for r in casts)
             exact = not casts and (_moves_values(eqn, row) or _as_written(row))
             # the policy run's inputs are the reference's own values (the program's arguments, values made
             # as written from them): on them the op alone is the policy run itself

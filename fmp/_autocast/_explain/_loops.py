@@ -23,8 +23,9 @@ from fmp._autocast._engine._interp import eval_jaxpr, transform_closed
 from fmp._autocast._explain._stats import output_stats
 from fmp._autocast._hops._control import loop_body, pin_outputs
 from fmp._autocast._hops._control import pin as _hops_pin
+from fmp._core._dtypes import LOW_PRECISION
 from fmp._report._blame import suggestion
-from fmp._report._records import LOW, OpRecord
+from fmp._report._records import OpRecord
 
 
 def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
@@ -228,7 +229,7 @@ def _charge_carry(
         if i is None or err is None or records[i].added_error is None:
             continue
         row = records[i]
-        if not any(n in LOW for n in row.out_after):
+        if not any(n in LOW_PRECISION for n in row.out_after):
             continue  # the op does not round the carry: its error is made upstream, where those rows show it
         if err > max(row.added_error, 2.0 * inputs_error):
             row = dataclasses.replace(row, added_error=err, detail=_join(row.detail, "compounded through the carry"))

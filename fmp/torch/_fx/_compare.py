@@ -22,11 +22,12 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from fmp._core._dtypes import LOW_PRECISION
 from fmp._core._rules import RuleSet
 from fmp._report import _compare as core
 from fmp._report._blame import charged, fill
 from fmp._report._grads import GradError, grad_error
-from fmp._report._records import LOW, OpRecord
+from fmp._report._records import OpRecord
 from fmp.torch._fx._common import TO_COPY, Event, ambient_autocast, float_names
 from fmp.torch._fx._nested import ENTER_AUTOCAST, EXIT_AUTOCAST
 
@@ -261,7 +262,9 @@ def compare(
                 with ref.autocast():
                     baseline = _alone(bound, b, dict(zip(ins, back, strict=True)), ref.interp)
             down = any(
-                a in casts and a.target is TO_COPY and str(a.kwargs.get("dtype")).removeprefix("torch.") in LOW
+                a in casts
+                and a.target is TO_COPY
+                and str(a.kwargs.get("dtype")).removeprefix("torch.") in LOW_PRECISION
                 for a in n.all_input_nodes
             )
             upstream = functools.partial(charged, b.all_input_nodes, _inputs, row_at)

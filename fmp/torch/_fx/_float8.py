@@ -19,7 +19,7 @@ import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fmp._core import _scopes
-from fmp._float8._quant import E4M3
+from fmp._core._dtypes import E4M3
 from fmp._float8._recipe import Float8Recipe
 from fmp.torch._fx._common import Event, ambient_autocast, float_names
 from fmp.torch._fx._scaled_mm import KERNELS, float8_linear, scaled_mm_error
@@ -30,7 +30,6 @@ _READ = {"scaling", "pow2_scales", "grad_dtype", "output", "block_size", "histor
 FLOAT8 = "fmp_float8"  # meta key of a float8 matmul node: its recipe and the op it replaced
 _aten = torch.ops.aten
 _MATMULS = (_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default)
-_E4M3_NAME = E4M3.name
 
 _MSG_SCALING = (
     "fmp.torch.autocast_fx runs float8 recipes with scaling {supported}; got Float8Recipe(scaling={got!r}). "
@@ -197,7 +196,7 @@ def float8_events(graph: torch.fx.Graph, events: list[Event]) -> list[Event]:
     """``events`` with a ``float8`` row for each float8 matmul of ``graph``, in graph order."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     rows = [
-        Event("fmp::float8_linear", "float8", n, n, _ins(n), (_E4M3_NAME, _E4M3_NAME), (), n.meta[FLOAT8])
+        Event("fmp::float8_linear", "float8", n, n, _ins(n), (E4M3, E4M3), (), n.meta[FLOAT8])
         for n in graph.nodes
         if FLOAT8 in n.meta
     ]

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from fmp._float8._quant import E4M3, E5M2, SCALE_MAX, SCALE_MIN
+from fmp._core._dtypes import E4M3, E5M2, SCALE_MAX, SCALE_MIN
 
 KERNELS = ("scaled_mm", "emulated")
-_FWD = getattr(torch, E4M3.name)
+_FWD = getattr(torch, E4M3)
 
 
 def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
@@ -125,7 +125,7 @@ def float8_linear(
     scaling: str,
     pow2: bool,
     out: torch.dtype | None,
-    grad: str = E5M2.name,
+    grad: str = E5M2,
     kernel: str = "emulated",
 ) -> torch.Tensor:
     """``x @ w_t (+ bias)`` as a float8 matmul; ``w_t[k, n]`` is the weight, ``out`` the result dtype
@@ -148,7 +148,7 @@ def scaled_mm_error(device: str, rowwise: bool) -> str | None:
             x = torch.ones(16, 16, device=device)
             pair = (x.to(_FWD), torch.ones((16, 1) if rowwise else (), device=device))
             _scaled(pair, (pair[0].t(), pair[1].t()), torch.float32, fast=True)
-            _scaled((x.to(getattr(torch, E5M2.name)), pair[1]), (pair[0].t(), pair[1].t()), torch.float32, fast=False)
+            _scaled((x.to(getattr(torch, E5M2)), pair[1]), (pair[0].t(), pair[1].t()), torch.float32, fast=False)
     except (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError) as err:
         return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
     return None
