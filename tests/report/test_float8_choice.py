@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 import fmp
-from fmp._report._compare import FAR, UNIT_ROUNDOFF
+from fmp._core._dtypes import UNIT_ROUNDOFF
+from fmp._report._compare import FAR
 from fmp._report._float8_choice import STANDS_OUT, too_small
 from fmp._report._records import OpRecord
 
