@@ -44,7 +44,8 @@ def test_core_dtypes_imports_no_framework():
     out = run_python(
         "import importlib.util, sys\n"
         "spec = importlib.util.spec_from_file_location('dtypes', 'fmp/_core/_dtypes.py')\n"
-        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "module = sys.modules['dtypes'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
         "print(sorted(m for m in ('fmp', 'jax', 'torch', 'numpy', 'ml_dtypes') if m in sys.modules))"
     )
     assert out.strip() == "[]"
