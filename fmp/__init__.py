@@ -9,6 +9,7 @@ from fmp._autocast import autocast_jaxpr as autocast_jaxpr
 from fmp._autocast import bwd_as_written as bwd_as_written
 from fmp._autocast import explain as explain
 from fmp._autocast import float8_state as float8_state
+from fmp._autocast import plan as plan
 from fmp._core._rules import DEFAULT_RULES as DEFAULT_RULES
 from fmp._core._rules import Category as Category
 from fmp._core._rules import RuleSet as RuleSet
@@ -17,6 +18,7 @@ from fmp._float8 import Float8Recipe as Float8Recipe
 from fmp._float8 import Float8State as Float8State
 from fmp._float8._quantize import Quantized as Quantized
 from fmp._float8._quantize import quantize as quantize
+from fmp._plan._plan import Plan as Plan
 from fmp._policy import Policy as Policy
 from fmp._policy import cast_tree as cast_tree
 from fmp._policy import get_policy as get_policy
@@ -36,6 +38,7 @@ __all__ = [
     "Float8Recipe",
     "Float8State",
     "GradScaler",
+    "Plan",
     "Policy",
     "Quantized",
     "RuleSet",
@@ -52,6 +55,7 @@ __all__ = [
     "grad",
     "nonfinite_leaves",
     "quantize",
+    "plan",
     "select_tree",
     "value_and_grad",
 ]

@@ -1,4 +1,4 @@
-"""Precision checks for users' own tests: ``fmp.testing.assert_precision``.
+"""Precision checks for users' own tests: ``fmp.testing.assert_precision`` and ``fmp.testing.assert_plan``.
 
 A test asserts that a model runs under a mixed-precision policy with no op that needs a fix and with its
 outputs (and, with ``grads=True``, its gradients) within a relative error of the program as written.
@@ -13,11 +13,14 @@ import jax
 import numpy as np
 
 from fmp._autocast import autocast, explain
+from fmp._autocast._explain._plan import Runner
+from fmp._plan import _check
+from fmp._plan._plan import Plan
 from fmp._policy import Policy
 from fmp._report._records import Report
 from fmp._report._verdict import failure
 
-__all__ = ["assert_precision"]
+__all__ = ["assert_plan", "assert_precision"]
 
 _KWARGS = ("rules", "overrides")
 
@@ -106,3 +109,52 @@ def _relative(got: Any, want: Any) -> float:
     norm = np.linalg.norm(w)
     diff = np.linalg.norm(g - w)
     return float(diff / norm) if norm > 0 else float(diff)
+
+
+def assert_plan(
+    fn: Callable[..., Any],
+    plan: Plan,
+    *args: Any,
+    rtol: float = 0.5,
+    argnums: int | tuple[int, ...] = 0,
+) -> None:
+    """Asserts that a precision plan (`fmp.plan`) still meets its budget on ``args``.
+
+    Runs ``fn`` under the plan against float32 (the outputs and, for a plan made with gradients, the
+    gradients of ``argnums``), and each site alone in its format. Fails where the plan's error is above
+    ``plan.budget * (1 + rtol)``, or where a site's own error is above its share: the error it added when
+    the plan was made, times ``plan.budget / plan.error``, times ``1 + rtol``.
+
+    Args:
+      fn: The function the plan was made for, called as ``fn(*args)``.
+      plan: The `fmp.Plan` (made now or loaded with ``fmp.Plan.load``).
+      *args: The inputs, concrete arrays (call it outside ``jit``).
+      rtol: The slack over the budget and the shares (inputs other than the plan's add their own spread).
+      argnums: Which positional arguments the plan's gradients were of, as for ``jax.grad``.
+
+    Raises:
+      AssertionError: The plan measures more than its budget, or a site more than its share; the message
+        names the sites above their share, worst first.
+      TypeError, ValueError: ``plan`` is not an ``fmp.Plan``; ``rtol`` is not a number >= 0.
+
+    Examples:
+      >>> from fmp.testing import assert_plan
+      >>> def loss(w, x):
+      ...     with jax.named_scope("layer"):
+      ...         return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w, x = jnp.eye(16) / 2, jnp.linspace(-1.0, 1.0, 64).reshape(4, 16)
+      >>> plan = fmp.plan(loss, w, x)
+      >>> assert_plan(loss, plan, w, x * 2)
+      >>> assert_plan(loss, plan, w, x * 1e3, rtol=0.0)
+      Traceback (most recent call last):
+        ...
+      AssertionError: the plan measures ...
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"assert_plan(fn, plan, ...) expects an fmp.Plan, got {type(plan).__name__}")
+    if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not rtol >= 0:
+        raise ValueError(f"assert_plan(rtol=...) expects a number >= 0, got {rtol!r}")
+    runner = Runner(fn, [tuple(args)], plan.grad_error is not None, argnums, None)
+    message = _check.failure(plan, runner, float(rtol))
+    if message:
+        raise AssertionError(message)

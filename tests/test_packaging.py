@@ -54,7 +54,7 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("folder", ["_core", "_report"])
+@pytest.mark.parametrize("folder", ["_core", "_report", "_plan"])
 def test_framework_neutral_rooms_import_neither_jax_nor_torch(folder):
     # the rule table, the scaler rule and the comparison core serve both frameworks
     for path in (ROOT / "fmp" / folder).glob("*.py"):
@@ -67,6 +67,7 @@ def test_framework_neutral_rooms_import_neither_jax_nor_torch(folder):
     [
         ("_core", ("fmp._core",)),  # the bottom: nothing else of fmp
         ("_report", ("fmp._core", "fmp._report")),
+        ("_plan", ("fmp._core", "fmp._report", "fmp._plan")),  # chooses beside the report, measures nothing
         # the interpreter imports nothing of the transform above it (handlers, leaf rules, explain)
         ("_autocast/_engine", ("fmp._core", "fmp._report", "fmp._policy", "fmp._float8", "fmp._autocast._engine")),
     ],

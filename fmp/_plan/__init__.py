@@ -1,0 +1,1 @@
+"""Framework-neutral precision plans: the candidate formats, the device cost model, the search over measured per-site errors and the ``Plan`` it returns (``fmp.plan`` and ``fmp.torch.plan_fx`` measure; this room chooses). Imports neither jax nor torch."""
