@@ -54,8 +54,8 @@ __all__ = [
     "get_policy",
     "grad",
     "nonfinite_leaves",
-    "quantize",
     "plan",
+    "quantize",
     "select_tree",
     "value_and_grad",
 ]
