@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from fmp._report._compare import UNIT_ROUNDOFF
+from fmp._core._dtypes import UNIT_ROUNDOFF
 
 
 @dataclasses.dataclass(frozen=True)
