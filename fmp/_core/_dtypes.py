@@ -66,6 +66,7 @@ INIT_SCALE = 2.0**16
 
 # --- block-scaled formats -------------------------------------------------------------------------------
 
+
 # The block-scaled ("microscaled") formats: the element format, its largest value and the exponent of its
 # largest power of two (``emax``), its mantissa bits, the block length along the contraction, and the dtype of
 # the per-block scale. MX: the OCP Microscaling spec v1.0 (e8m0 scales, 32-element blocks); NVFP4: NVIDIA's

@@ -63,6 +63,8 @@ FORMATS: dict[str, Format] = {
     )
 }
 
+DEFAULT_FORMATS = ("float8", "bfloat16", "float32")
+
 _MSG_FORMATS = (
     "plan(formats=...) expects a non-empty sequence of format names from {known}, got {got!r}; "
     "'float8' is the tensorwise recipe, 'float8_rowwise' and 'float8_blockwise' the others"

@@ -169,11 +169,7 @@ def scale_advice(scale: float, needed: float | None, most: float | None) -> str:
     if needed is None or most is None:
         return "float16: no nonzero gradient values to hold"
     fits = needed <= most
-    now = (
-        "holds every value"
-        if needed <= scale <= most
-        else ("underflows" if scale < needed else "overflows")
-    )
+    now = "holds every value" if needed <= scale <= most else ("underflows" if scale < needed else "overflows")
     if not fits:
         return (
             f"float16 at loss scale {_pow2(scale)} {now}; no single scale holds them all (subnormal below "

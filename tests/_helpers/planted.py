@@ -55,3 +55,43 @@ def jax_loss(p, x):
     with jax.named_scope("head"):
         y = (z * jnp.asarray(OUTLIER)) @ p["head"]
     return jnp.mean(y**2)
+
+
+def torch_loss(p):
+    """The same model as a torch module whose forward takes ``x`` and returns the loss; each site is a
+    submodule holding its weight (``x @ w``, as in JAX)."""
+    import torch
+
+    class Matmul(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(w))
+
+        def forward(self, x):
+            return x @ self.w
+
+    class Attn(Matmul):
+        def forward(self, x):
+            q = x @ self.w
+            return torch.softmax(q @ x.T / float(np.sqrt(D)), dim=-1) @ x
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for k in ALIKE:
+                setattr(self, k, Matmul(p[k]))
+            self.attn, self.router, self.head = Attn(p["attn"]), Matmul(p["router"]), Matmul(p["head"])
+            self.register_buffer("gains", torch.tensor(GAINS))
+            self.register_buffer("outlier", torch.tensor(OUTLIER))
+
+        def forward(self, x):
+            h = x
+            for k in ALIKE:
+                h = h + torch.tanh(getattr(self, k)(h))
+            a = self.attn(x)
+            gain = self.gains[torch.argmax(self.router(x), dim=-1)]
+            z = h + a * gain[:, None]
+            y = self.head(z * self.outlier)
+            return torch.mean(y**2)
+
+    return Model()

@@ -151,7 +151,9 @@ def frame_of(
     if parent is None or operands is None:
         return Frame(own, {}, uses, weights={} if weights is None else weights)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
-    return Frame(Chain(own, parent.producers), Chain(alias, parent.alias), uses, consts=parent.consts, weights=parent.weights)
+    return Frame(
+        Chain(own, parent.producers), Chain(alias, parent.alias), uses, consts=parent.consts, weights=parent.weights
+    )
 
 
 def used_once(var: Any, frame: Frame) -> bool:
@@ -177,9 +179,7 @@ def up(var: Any, frame: Frame) -> Any:
     return var
 
 
-def root(
-    var: Any, frame: Frame, through: frozenset[str] = PASS_THROUGH
-) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
+def root(var: Any, frame: Frame, through: frozenset[str] = PASS_THROUGH) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
     """``(root, eqn, path)``: the value ``var`` re-views, the equation that computed it, and the walk's path.
 
     ``eqn`` is None for a program input or a literal. ``path`` holds every

@@ -14,13 +14,12 @@ from fmp._autocast._explain._api import explain
 from fmp._autocast._wrap import autocast
 from fmp._core._rules import RuleSet
 from fmp._plan._device import Device, device_of
-from fmp._plan._formats import FORMATS, formats_of
+from fmp._plan._formats import DEFAULT_FORMATS, FORMATS, formats_of
+from fmp._plan._measure import arg_sets, leaf, measured, worse
 from fmp._plan._plan import Plan, check_budget, make_plan
 from fmp._plan._search import Assignment, Measured, policy_and_overrides
 from fmp._plan._sites import sites_of
-from fmp._report._grads import relative_error
 
-DEFAULT_FORMATS = ("float8", "bfloat16", "float32")
 GROUP = 8  # assignments compiled together
 
 
@@ -94,30 +93,11 @@ def plan(
     if not isinstance(grads, bool):
         raise TypeError(f"plan(grads=...) expects True or False, got {grads!r}")
     fmts, dev, budget = formats_of(formats), device_of(device), check_budget(budget)
-    arg_sets = _arg_sets(args, batches)
+    sets = arg_sets(args, batches)
     quant = next((f for f in fmts if f.quantised), FORMATS["float8"])
-    sites = sites_of(explain(fn, quant.policy, rules=rules)(*arg_sets[0]).records)
-    measure = Runner(fn, arg_sets, grads, argnums, rules)
+    sites = sites_of(explain(fn, quant.policy, rules=rules)(*sets[0]).records)
+    measure = Runner(fn, sets, grads, argnums, rules)
     return make_plan(sites, measure, budget=budget, formats=fmts, device=dev, grads=grads, framework="jax")
-
-
-def _arg_sets(args: tuple[Any, ...], batches: Sequence[Any] | None) -> list[tuple[Any, ...]]:
-    """``args``, then ``args`` with each batch in place of its last arguments."""
-    if not args:
-        raise TypeError("plan(fn, *args): pass fn's arguments after it")
-    if batches is None:
-        return [tuple(args)]
-    if isinstance(batches, str | bytes) or not isinstance(batches, Sequence):
-        raise TypeError(f"plan(batches=...) expects a sequence of batches, got {type(batches).__name__}")
-    out = [tuple(args)]
-    for b in batches:
-        b = b if isinstance(b, tuple) else (b,)
-        if len(b) > len(args):
-            raise ValueError(
-                f"plan(batches=...): a batch of {len(b)} values replaces more than the {len(args)} arguments"
-            )
-        out.append(tuple(args[: len(args) - len(b)]) + b)
-    return out
 
 
 class Runner:
@@ -125,18 +105,18 @@ class Runner:
 
     def __init__(self, fn: Callable[..., Any], arg_sets: list[tuple[Any, ...]], grads: bool, argnums: Any, rules: Any):
         self.fn, self.arg_sets, self.grads, self.argnums, self.rules = fn, arg_sets, grads, argnums, rules
-        self.refs = [self._call(fn, a) for a in arg_sets]
+        self.refs = [self._call(fn, a) for a in arg_sets]  # NumPy leaves
 
     def _call(self, fn: Callable[..., Any], a: tuple[Any, ...]) -> tuple[Any, Any]:
         if not self.grads:
-            return jax.jit(fn)(*a), None
+            return _leaves(jax.jit(fn)(*a)), None
         try:
             out, g = jax.jit(jax.value_and_grad(fn, self.argnums))(*a)
         except TypeError as e:
             if "scalar" not in str(e):
                 raise
             raise TypeError(f"plan(grads=True) differentiates fn: it must return a scalar loss ({e})") from None
-        return out, g
+        return _leaves(out), _leaves(g)
 
     def _program(self, assignment: Assignment) -> Callable[..., Any]:
         policy, overrides = policy_and_overrides(assignment)
@@ -157,52 +137,10 @@ class Runner:
             for a, (ref, ref_g) in zip(self.arg_sets, self.refs, strict=True):
                 for i, got in enumerate(run(*a)):
                     o, g = got if self.grads else (got, None)
-                    worst[i] = worse(worst[i], measured(ref, o, ref_g, g))
+                    worst[i] = worse(worst[i], measured(ref, _leaves(o), ref_g, None if g is None else _leaves(g)))
             out += worst
         return out
 
 
-def _floating(x: np.ndarray) -> bool:
-    return np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16"
-
-
-def measured(ref: Any, out: Any, ref_grads: Any = None, grads: Any = None) -> Measured:
-    """The error of one run: its outputs against ``ref`` (one relative L2 error over the floating leaves,
-    the count of changed discrete elements), its gradients against ``ref_grads`` (the worst leaf; a leaf
-    whose reference is zero has no relative error and is left out). Any array library's leaves."""
-    r_leaves, o_leaves = _leaves(ref), _leaves(out)
-    floats = [(o, r) for o, r in zip(o_leaves, r_leaves, strict=True) if _floating(r)]
-    flips = sum(int(np.sum(o != r)) for o, r in zip(o_leaves, r_leaves, strict=True) if not _floating(r))
-    out_err, nonfinite = 0.0, False
-    if floats:
-        o_flat = np.concatenate([o.ravel() for o, _ in floats])
-        r_flat = np.concatenate([r.ravel() for _, r in floats])
-        out_err, _, _, nonfinite = relative_error(o_flat, r_flat)
-    grad_err = None
-    if ref_grads is not None:
-        grad_err = 0.0
-        for g, r in zip(_leaves(grads), _leaves(ref_grads), strict=True):
-            if _floating(r) and np.any(r != 0):
-                e, _, _, bad = relative_error(g, r)
-                grad_err, nonfinite = max(grad_err, e), nonfinite or bad
-    error = max(out_err, grad_err or 0.0)
-    return Measured(error, out_err, grad_err, nonfinite, flips)
-
-
-def worse(a: Measured, b: Measured) -> Measured:
-    """The worse of two batches' measurements, field by field."""
-    grad = None if a.grad_error is None or b.grad_error is None else max(a.grad_error, b.grad_error)
-    return Measured(
-        max(a.error, b.error),
-        max(a.output_error, b.output_error),
-        grad,
-        a.nonfinite or b.nonfinite,
-        max(a.flips, b.flips),
-    )
-
-
 def _leaves(tree: Any) -> list[np.ndarray]:
-    return [
-        np.asarray(x, np.float64) if _floating(np.asarray(x)) else np.asarray(x)
-        for x in jax.tree_util.tree_leaves(tree)
-    ]
+    return [leaf(x) for x in jax.tree_util.tree_leaves(tree)]

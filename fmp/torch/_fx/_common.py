@@ -24,6 +24,7 @@ def node_source(node: torch.fx.Node | None) -> str:
     found = user_frame(reversed(_FRAME.findall(trace or "")), lambda frame: frame[0])
     return f"{found[0]}:{found[1]} ({found[2]})" if found else ""
 
+
 CIA = torch._C.DispatchKey.CompositeImplicitAutograd
 TO_COPY = torch.ops.aten._to_copy.default
 ASSERT_META = torch.ops.aten._assert_tensor_metadata.default
