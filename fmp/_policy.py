@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmp._core import _dtypes
-from fmp._float8._recipe import SCALINGS, Float8Recipe, as_recipe
+from fmp._float8._recipe import SCALING_ALIASES, SCALINGS, Float8Recipe, as_recipe
 
 T = TypeVar("T")
 
@@ -24,6 +24,10 @@ PRESETS: dict[str, tuple[str, str, str]] = {
 # presets with a float8 recipe: (param, compute, output, fp8 scaling)
 FP8_PRESETS: dict[str, tuple[str, str, str, str]] = {
     "mixed_float8": ("float32", "bfloat16", "float32", "tensorwise"),
+    # block-scaled formats (emulated where the device has no MX tensor cores; see fmp.quantize)
+    "mixed_mxfp8": ("float32", "bfloat16", "float32", "mxfp8"),
+    "mixed_mxfp4": ("float32", "bfloat16", "float32", "mxfp4"),
+    "mixed_nvfp4": ("float32", "bfloat16", "float32", "nvfp4"),
 }
 
 # the keys of a key=dtype spec, per field: a long name and jmp's short form (jmp's own spellings); nothing else
@@ -35,7 +39,8 @@ _ACCEPTED_KEYS = ", ".join("|".join(keys) for keys in _KEY_SPELLINGS.values())
 _MSG_SPEC_FORMAT = (
     "A policy spec is a preset ({presets}), a single dtype (all three fields), or comma-separated "
     "key=dtype pairs with keys {keys}, e.g. 'params=float32,compute=bfloat16,output=float32' "
-    "or 'p=f32,c=bf16,o=f32' (add fp8=tensorwise|rowwise|blockwise|delayed|mx for float8 matmuls). "
+    "or 'p=f32,c=bf16,o=f32' (add fp8=tensorwise|rowwise|blockwise|delayed|mxfp8|mxfp4|nvfp4 for float8 or "
+    "block-scaled matmuls). "
     "Accepted dtypes: {dtypes}."
 )
 _MSG_UNKNOWN_KEY = "get_policy(spec): unknown key {key!r} in {token!r}{hint}; the accepted keys are {keys}. {help}"
@@ -190,9 +195,10 @@ def get_policy(spec: str | Policy) -> Policy:
       ``compute``/``c``, ``output``/``o`` (jmp's; no other spelling); dtypes
       ``float16``/``f16``/``half``, ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``;
       and ``fp8=<scaling>`` (``tensorwise``, ``rowwise``, ``blockwise``,
-      ``delayed``, ``mx``) for float8 matmuls;
+      ``delayed``, ``mxfp8``, ``mxfp4``, ``nvfp4``) for float8 or block-scaled matmuls;
     * ``"mixed_float8"``: the ``mixed_bfloat16`` dtypes with tensorwise float8
-      matmuls (see ``fmp.Float8Recipe``).
+      matmuls (see ``fmp.Float8Recipe``); ``"mixed_mxfp8"``, ``"mixed_mxfp4"`` and ``"mixed_nvfp4"``:
+      the same with matmuls in a block-scaled format (``fp8=mxfp8`` ...; see `fmp.quantize`).
 
     Unspecified fields: ``params`` defaults to float32, ``compute`` to
     ``params``, and ``output`` to ``params`` (outputs return to the full type).
@@ -242,7 +248,7 @@ def get_policy(spec: str | Policy) -> Policy:
             spelled = repr(keys[0]) + (f" (or {keys[1]!r})" if len(keys) > 1 else "")
             raise ValueError(f"get_policy(spec): {spelled} is given twice (in {token!r}). {_spec_help()}")
         if field == "fp8":
-            if value.strip().lower() not in SCALINGS:
+            if value.strip().lower() not in (*SCALINGS, *SCALING_ALIASES):
                 raise ValueError(
                     f"get_policy(spec): unknown fp8 scaling {value.strip()!r} in {token!r} "
                     f"(accepted: {', '.join(SCALINGS)}). {_spec_help()}"

@@ -17,8 +17,10 @@ from jax.extend.core import JaxprEqn
 from fmp._autocast._engine import _rows
 from fmp._autocast._engine._context import Context, aval_of, float_names, source_of
 from fmp._core import _dtypes
+from fmp._core._dtypes import BLOCK_FORMATS
 from fmp._core._rules import Category
 from fmp._float8 import _bind as _fp8
+from fmp._float8._recipe import BLOCK_SCALINGS
 from fmp._policy import Policy
 
 
@@ -37,7 +39,11 @@ def float8(
         out_dtype = np.dtype(jnp.float32)
     site = recipe.scaling == "delayed" and ctx.fp8_sites is not None and eqn.primitive.name == "dot_general"
     history = ctx.fp8_sites.take(f"{eqn.primitive.name}@{scope}") if site else None
-    outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history)]
+    weight_first = why.startswith("weight operand (lhs")
+    block = recipe.scaling in BLOCK_SCALINGS
+    key = ctx.site_key() if block and recipe.scaling == "nvfp4" else None
+    outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history, key, weight_first)]
+    quantised = BLOCK_FORMATS[recipe.scaling].element if block else _dtypes.E4M3
     if ctx.records is not None:
         ctx.record(
             op=eqn.primitive.name,
@@ -45,12 +51,12 @@ def float8(
             scope=scope,
             category=Category.FLOAT8.value,
             in_before=float_names([v.aval for v in eqn.invars]),
-            in_after=(_dtypes.E4M3, _dtypes.E4M3),
+            in_after=(quantised, quantised),
             out_before=float_names([v.aval for v in eqn.outvars]),
             out_after=float_names([aval_of(x) for x in outs]),
             flops=_rows.flops(eqn),
             detail=_fp8.scaling_label(recipe, eqn.primitive.name, site),
             why=why,
-            gemm=_rows.gemm(eqn, "lhs" if why.startswith("weight operand (lhs") else "rhs"),
+            gemm=_rows.gemm(eqn, "lhs" if weight_first else "rhs"),
         )
     return outs

@@ -76,3 +76,20 @@ def claim(state: Float8State) -> None:
     if _CLAIMED.get(id(hist)) is hist:
         raise ValueError(_MSG_SHARED)
     _CLAIMED[id(hist)] = hist
+
+
+_MSG_KEY_UNUSED = (
+    "fmp.autocast(key=...): no matmul under policy {policy!r} (or its overrides) rounds stochastically, so the "
+    "key changes nothing. Only an NVFP4 recipe ('mixed_nvfp4', fp8=nvfp4) uses it, for its gradients."
+)
+
+
+def check_key(key: Any, policy: Policy, overrides: tuple[tuple[str, Policy], ...]) -> None:
+    """Warns when a stochastic-rounding ``key`` meets no NVFP4 recipe; refuses a key that is not an array."""
+    if key is None:
+        return
+    if not isinstance(key, jax.Array):
+        raise TypeError(f"autocast(key=...) must be a jax.random key (jax.random.key(0)), got {type(key).__name__}")
+    recipes = [policy.fp8, *(p.fp8 for _, p in overrides)]
+    if not any(r is not None and r.scaling == "nvfp4" for r in recipes):
+        warnings.warn(_MSG_KEY_UNUSED.format(policy=str(policy)), UserWarning, stacklevel=3)

@@ -39,10 +39,13 @@ def configure(policy: str | Policy, rules: RuleSet | None = None, overrides: Map
     return Config(get_policy(policy), check_rules(rules), check_overrides(overrides))
 
 
-def make_context(config: Config, records: list[OpRecord] | None = None, fp8_sites: Any = None) -> Context:
+def make_context(
+    config: Config, records: list[OpRecord] | None = None, fp8_sites: Any = None, key: Any = None
+) -> Context:
     """The context of one rewrite: the configuration plus the interpreter's handlers and leaf rules.
 
-    ``fp8_sites`` (an ``fmp._float8._state.SiteFeeder``) hands delayed-scaling float8 sites their history rows.
+    ``fp8_sites`` (an ``fmp._float8._state.SiteFeeder``) hands delayed-scaling float8 sites their history rows;
+    ``key`` is the caller's key for stochastic rounding.
     """
     return Context(
         config.policy,
@@ -53,6 +56,7 @@ def make_context(config: Config, records: list[OpRecord] | None = None, fp8_site
         leaf=_leaf.leaf,
         keeps=_leaf.keeps,
         fp8_sites=fp8_sites,
+        key=key,
     )
 
 

@@ -11,7 +11,7 @@ import jax
 from fmp._autocast._args import graph_nodes, trace, trace_with_graph_state
 from fmp._autocast._checks import check_args, warn_no_effect
 from fmp._autocast._engine._context import REGION_SCOPE
-from fmp._autocast._float8_checks import check_state, claim
+from fmp._autocast._float8_checks import check_key, check_state, claim
 from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN
 from fmp._autocast._transform import configure, make_context, rewrite_top, run_top
 from fmp._core._rules import RuleSet
@@ -34,6 +34,7 @@ def autocast(
     enabled: bool = True,
     overrides: Mapping[str, Any] | None = None,
     fp8_state: Float8State | None = None,
+    key: jax.Array | None = None,
 ) -> Any:
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
@@ -76,12 +77,17 @@ def autocast(
       fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
         the scales come from (see `fmp.float8_state`). Differentiate with
         respect to it to get the next state's amax history. One state feeds one call.
+      key: A ``jax.random`` key for stochastic rounding: under ``"mixed_nvfp4"`` (an ``nvfp4`` recipe) the
+        gradients of every NVFP4 matmul are rounded stochastically from it (each matmul folds in its own
+        number), so the same key replays the same bits; pass a new key each step. Without it they round
+        to nearest.
 
     Returns:
       A function with ``fn``'s signature.
 
     Warns:
-      UserWarning: the policy changes nothing in ``fn`` (it computes no float16, bfloat16 or float32
+      UserWarning: a ``key`` under a policy with no NVFP4 recipe (nothing rounds stochastically); the
+        policy changes nothing in ``fn`` (it computes no float16, bfloat16 or float32
         value: a float64 model, an integer-only function), or an ``overrides`` key matches no scope;
         a delayed float8 policy without ``fp8_state`` (it runs current scaling), or float8 matmuls in a
         ``while_loop`` or custom-derivative body under delayed scaling (they run current scaling).
@@ -107,8 +113,9 @@ def autocast(
     """
     if fn is None:
         return functools.partial(
-            autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides, fp8_state=fp8_state
-        )
+            autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides, fp8_state=fp8_state,
+            key=key,
+        )  # fmt: skip
     if isinstance(fn, str | Policy):
         raise TypeError(_MSG_POLICY_FIRST.format(got=fn if isinstance(fn, str) else str(fn)))
     if not callable(fn):
@@ -122,6 +129,7 @@ def autocast(
     label = policy if isinstance(policy, str) else str(config.policy)
     if enabled:
         check_state(fp8_state, config.policy, config.overrides, label)
+        check_key(key, config.policy, config.overrides)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -133,7 +141,7 @@ def autocast(
         if fp8_state is not None:
             claim(fp8_state)
             sites = SiteFeeder(fp8_state)
-        ctx = make_context(config, fp8_sites=sites)
+        ctx = make_context(config, fp8_sites=sites, key=key)
         graph = graph_nodes(args, kwargs)
         if graph is not None:
             closed, arrays, finish = trace_with_graph_state(fn, args, kwargs, graph)

@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fmp._float8 import _dot, _state
-from fmp._float8._recipe import Float8Recipe
+from fmp._float8 import _block_dot, _dot, _state
+from fmp._float8._recipe import BLOCK_SCALINGS, Float8Recipe
 
 SUPPORTED = ("dot_general", "conv_general_dilated")
 
@@ -32,12 +32,15 @@ def bind_float8(
     recipe: Float8Recipe,
     out_dtype: Any,
     history: jax.Array | None = None,
+    key: jax.Array | None = None,
+    weight_first: bool = False,
 ) -> jax.Array:
     """Runs one ``dot_general``/``conv_general_dilated`` equation in float8; returns its output.
 
     ``history`` is the site's amax history for delayed scaling (``None``: the
     recipe runs with current scaling; a delayed recipe then falls back to
-    tensorwise current scaling).
+    tensorwise current scaling). ``key`` rounds a block-scaled recipe's gradients stochastically (NVFP4);
+    ``weight_first``: the weight is the first operand (NVFP4 gives the weight 16 x 16 tiles).
     """
     name = prim.name
     if name not in SUPPORTED:
@@ -51,6 +54,8 @@ def bind_float8(
 
         return _dot.fp8_conv(conv, lhs, rhs, recipe, out_dtype)
     dims = params["dimension_numbers"]
+    if recipe.scaling in BLOCK_SCALINGS:
+        return _block_dot.block_dot_general(lhs, rhs, dims, recipe, out_dtype, key, weight_first)
     if recipe.scaling == "delayed":
         if history is None:
             return _dot.fp8_dot_general(lhs, rhs, dims, dataclasses.replace(recipe, scaling="tensorwise"), out_dtype)

@@ -28,12 +28,6 @@ import jax.numpy as jnp
 from fmp._float8 import _quant
 from fmp._float8._recipe import Float8Recipe
 
-_MSG_MX_BACKEND = (
-    "Float8Recipe('mx') runs 32-element MX blocks through jax.nn.scaled_dot_general, which has no lowering on "
-    "the {backend!r} backend. Use it on a GPU that supports MX (Blackwell), or pick 'blockwise', 'rowwise' or "
-    "'tensorwise', which run anywhere (emulated on CPU)."
-)
-
 F32 = jnp.dtype(jnp.float32)
 
 
@@ -131,8 +125,6 @@ def fp8_dot_general(
       >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fmp.Float8Recipe(), jnp.float32)[0]
       Array([4., 4.], dtype=float32)
     """
-    if recipe.scaling == "mx":
-        return _mx_dot(lhs, rhs, dimension_numbers, out_dtype)
     if recipe.scaling == "delayed":
         raise ValueError("delayed scaling reads its scales from an fmp.Float8State; use fmp._float8._state.delayed_dot")
     lperm, rperm, ashape, bshape, oshape = canonical(lhs.shape, rhs.shape, dimension_numbers)
@@ -143,13 +135,6 @@ def fp8_dot_general(
         jnp.dtype(recipe.grad_dtype),
     )  # fmt: skip
     return out.reshape(oshape)
-
-
-def _mx_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: Any) -> jax.Array:
-    backend = jax.default_backend()
-    if backend != "gpu":
-        raise ValueError(_MSG_MX_BACKEND.format(backend=backend))
-    return jax.nn.scaled_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.dtype(out_dtype))
 
 
 def fp8_conv(

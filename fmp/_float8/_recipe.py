@@ -9,7 +9,12 @@ import numpy as np
 
 from fmp._core._dtypes import E4M3, E5M2
 
-SCALINGS = ("tensorwise", "rowwise", "blockwise", "delayed", "mx")
+# the block-scaled formats a recipe can name (their facts: fmp._core._dtypes.BLOCK_FORMATS)
+BLOCK_SCALINGS = ("mxfp8", "mxfp4", "nvfp4")
+SCALINGS = ("tensorwise", "rowwise", "blockwise", "delayed", *BLOCK_SCALINGS)
+# earlier spellings still accepted: "mx" (32-element MX blocks) is MXFP8
+SCALING_ALIASES = {"mx": "mxfp8"}
+SCALE_ROUNDINGS = ("rceil", "floor", "ceil", "even")
 GRAD_DTYPES = (E5M2, E4M3)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 
@@ -74,8 +79,14 @@ class Float8Recipe:
         i.e. per index of its non-contracting dimensions), ``"blockwise"`` (activations
         and gradients in ``1 x block_size`` tiles along each product's contraction, the
         weight in ``block_size x block_size`` blocks), ``"delayed"`` (per-tensor scales
-        from an amax history kept in ``fmp.Float8State``) or ``"mx"`` (32-element
-        MX blocks through ``jax.nn.scaled_dot_general``; GPU only).
+        from an amax history kept in ``fmp.Float8State``), or a block-scaled format (see `fmp.quantize`):
+        ``"mxfp8"`` (``"mx"`` is accepted for it; 32-element e4m3 blocks, power-of-two scales; all three
+        products, each operand quantised along that product's own contraction, as torchao's MXFP8 linear
+        and Transformer Engine's ``MXFP8BlockScaling``), ``"mxfp4"`` (the same with e2m1 elements) or
+        ``"nvfp4"`` (Transformer Engine's NVFP4 recipe: activations and gradients in 16-element blocks,
+        weights in 16 x 16 tiles, a random Hadamard transform on the weight-gradient product's inputs, and
+        gradients rounded stochastically when ``fmp.autocast`` gets a ``key``). Block-scaled matmuls are
+        emulated (quantise, dequantise, float32 matmul): on any device, bit for bit with the formats' codes.
       block_size: The tile edge of ``"blockwise"``.
       pow2_scales: Round every scale down to a power of two, so that scaling is exact
         in float32 (the quantised matmul then equals the dequantised one bit for bit)
@@ -83,14 +94,17 @@ class Float8Recipe:
         On by default (as in torchao's rowwise recipe and the MX formats; torchao's tensorwise
         and Transformer Engine's delayed recipes default to the exact ``fp8_max / amax``):
         trained on digits, every recipe landed closer to bfloat16 with it (see the float8
-        guide). ``False`` gives the exact ``fp8_max / amax``. ``"mx"`` ignores it: MX blocks
-        always have power-of-two scales.
+        guide). ``False`` gives the exact ``fp8_max / amax``. Block-scaled formats ignore it.
       history_len: For ``"delayed"``: how many steps of amax history a site keeps.
       margin: For ``"delayed"``: scales are divided by ``2**margin`` (0 to 64).
       grad_dtype: The float8 format of the output gradient in both backward products:
-        ``"float8_e5m2"`` (the default: 5 exponent bits, largest value 57344) or
-        ``"float8_e4m3fn"`` (one more mantissa bit, largest value 448; torchao's rowwise
-        recipe and DeepSeek-V3 use it). A jnp dtype is accepted too.
+        ``"float8_e5m2"`` (5 exponent bits, largest value 57344; the default of the per-tensor
+        recipes) or ``"float8_e4m3fn"`` (one more mantissa bit, largest value 448; torchao's rowwise
+        recipe and DeepSeek-V3 use it, and ``"mxfp8"`` by default; ``"float8_e5m2"`` there gives
+        MXFP8 gradients with e5m2 elements). A jnp dtype is accepted too. The 4-bit formats quantise
+        gradients to their own format.
+      scale_rounding: How an MX block's power-of-two scale is chosen (``"rceil"``, the default, ``"floor"``,
+        ``"ceil"`` or ``"even"``; see `fmp.quantize`).
       amax_compute_algo: For ``"delayed"``: the amax a scale comes from, ``"max"`` (the
         largest of the history, the default) or ``"most_recent"`` (the last step's), as
         Transformer Engine's ``DelayedScaling`` names them.
@@ -110,8 +124,7 @@ class Float8Recipe:
         itself). ``True``: each operand is dequantised to float32 before a float32 matmul
         (torchao's ``emulate=True``; bit for bit with it). With power-of-two scales both forms
         give the same bits on a CPU; a GPU's float8 GEMM accumulates in its own order and
-        precision. Blockwise always dequantises first and ``"mx"`` always runs
-        ``scaled_dot_general``.
+        precision. Blockwise and the block-scaled formats always dequantise first.
 
     Examples:
       >>> fmp.Float8Recipe("rowwise").scaling
@@ -130,14 +143,26 @@ class Float8Recipe:
     history_len: int = 16
     margin: int = 0
     output: str = "compute"
-    grad_dtype: str = "float8_e5m2"
+    grad_dtype: str | None = None
+    scale_rounding: str = "rceil"
     amax_compute_algo: str = "max"
     activations: bool = False
     emulate: bool | None = None
     PEERS: ClassVar[tuple[str, ...]] = tuple(PEER_RECIPES)
 
     def __post_init__(self) -> None:
+        if isinstance(self.scaling, str):
+            scaling = self.scaling.strip().lower()
+            object.__setattr__(self, "scaling", SCALING_ALIASES.get(scaling, scaling))
+        if self.grad_dtype is None:
+            default = E4M3 if self.scaling in BLOCK_SCALINGS else E5M2
+            object.__setattr__(self, "grad_dtype", default)
         object.__setattr__(self, "grad_dtype", _dtype_name(self.grad_dtype))
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise ValueError(
+                f"Float8Recipe(scale_rounding=...) must be one of {', '.join(map(repr, SCALE_ROUNDINGS))}, "
+                f"got {self.scale_rounding!r} ('rceil', the default, never saturates a block's largest value)"
+            )
         if self.grad_dtype not in GRAD_DTYPES:
             raise ValueError(_MSG_GRAD_DTYPE.format(choices=", ".join(map(repr, GRAD_DTYPES)), got=self.grad_dtype))
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
@@ -203,7 +228,7 @@ def as_recipe(value: object) -> Float8Recipe | None:
     if value is None or isinstance(value, Float8Recipe):
         return value
     if isinstance(value, str):
-        return Float8Recipe(value.strip().lower())
+        return Float8Recipe(value)
     raise TypeError(
         f"Policy fp8 must be None, a scaling name ('tensorwise', 'rowwise', ...) or an fmp.Float8Recipe, "
         f"got {type(value).__name__}"

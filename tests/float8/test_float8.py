@@ -268,11 +268,13 @@ def test_float8_state_orbax_round_trip(tmp_path):
     np.testing.assert_array_equal(np.asarray(back.amax_history), np.asarray(st.amax_history))
 
 
-def test_mx_recipe_has_a_clear_error_off_gpu():
+def test_mx_recipe_with_emulate_false_has_a_clear_error_off_gpu():
     if jax.default_backend() == "gpu":
         pytest.skip("this checks the error raised where scaled_dot_general has no lowering; running on a GPU")
+    from fmp._float8._block_dot import block_dot_general
+
     with pytest.raises(ValueError, match="scaled_dot_general.*no lowering"):
-        fp8_dot_general(jnp.ones((2, 32)), jnp.ones((32, 2)), DN, fmp.Float8Recipe("mx"), F32)
+        block_dot_general(jnp.ones((2, 32)), jnp.ones((32, 2)), DN, fmp.Float8Recipe("mx", emulate=False), F32)
 
 
 def test_quantisation_is_traced_once_per_shape_not_once_per_matmul(monkeypatch):

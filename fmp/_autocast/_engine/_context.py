@@ -102,6 +102,10 @@ class Context:
     keeps: Callable[[JaxprEqn, Context, Policy], bool] | None = None
     # delayed float8 scaling: hands out one amax-history row per top-level float8 site (fmp._float8._state)
     fp8_sites: Any = None
+    # the caller's jax.random key for stochastic rounding (NVFP4 gradients); each block-scaled site folds in
+    # its number in trace order (a list, shared by the copies of the context a body rewrite makes)
+    key: Any = None
+    key_sites: list[int] = dataclasses.field(default_factory=lambda: [0])
     # explain(compare=True): the reference run beside this one (``_compare.Comparison``); None otherwise
     compare: Any = None
     # why the equations of the body being rewritten run under ``policy`` when an enclosing rule chose it
@@ -110,6 +114,13 @@ class Context:
     # the float8 scope rule: id(body jaxpr) -> which of its inputs are weights, for the bodies of the
     # higher-order equation being rewritten (``_weights.body_weights``)
     weights_in: Mapping[int, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
+
+    def site_key(self) -> Any:
+        """A key of its own for the next block-scaled site (None without a caller's key)."""
+        if self.key is None:
+            return None
+        self.key_sites[0] += 1
+        return jax.random.fold_in(self.key, self.key_sites[0])
 
     def resolve(self, scope: str, source: Callable[[], str] | None = None) -> tuple[str, Policy]:
         """``("nested" | "override" | "default", policy)`` for an equation in ``scope``; ``source()`` gives its

@@ -1,0 +1,184 @@
+"""Block-scaled policies (``mixed_mxfp8``, ``mixed_mxfp4``, ``mixed_nvfp4``): the three MXFP8 products and the
+NVFP4 recipe against references built from ``fmp.quantize`` (itself checked against torchao and the NVFP4
+chain), the stochastic-rounding key, and training a digits MLP against bfloat16."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers.common import optax_not_strict
+
+import fmp
+from fmp._float8._block_dot import block_dot_general
+from fmp._float8._nvfp4 import hadamard16, random_hadamard
+
+F32 = jnp.float32
+HI = jax.lax.Precision.HIGHEST
+DN = (((1,), (0,)), ((), ()))  # x[m, k] @ w[k, n]
+
+
+def qdq(x, fmt, axis, **kw):
+    return fmp.quantize(x, fmt, axis=axis, **kw).dequantize()
+
+
+def _operands(m=24, k=80, n=40):
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (m, k), F32) * jnp.exp2(jax.random.randint(ks[1], (m, 1), -4, 4)).astype(F32)
+    w = jax.random.normal(ks[2], (k, n), F32) * jnp.exp2(jnp.arange(k, dtype=F32) % 5 - 6)[:, None]
+    g = jax.random.normal(jax.random.key(9), (m, n), F32)
+    return x, w, g
+
+
+def _products(recipe, x, w, g, key=None):
+    out, vjp = jax.vjp(lambda a, b: block_dot_general(a, b, DN, recipe, F32, key), x, w)
+    return (out, *vjp(g))
+
+
+@pytest.mark.parametrize("grad_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_three_mxfp8_products_quantise_along_their_own_contraction(grad_dtype):
+    x, w, g = _operands()
+    out, dx, dw = _products(fmp.Float8Recipe("mxfp8", grad_dtype=grad_dtype), x, w, g)
+    gfmt = "mxfp8" if grad_dtype == "float8_e4m3fn" else "mxfp8_e5m2"
+    np.testing.assert_array_equal(out, jnp.dot(qdq(x, "mxfp8", 1), qdq(w, "mxfp8", 0), precision=HI))
+    np.testing.assert_array_equal(dx, jnp.dot(qdq(g, gfmt, 1), qdq(w, "mxfp8", 1).T, precision=HI))
+    np.testing.assert_array_equal(dw, jnp.dot(qdq(x, "mxfp8", 0).T, qdq(g, gfmt, 0), precision=HI))
+    # the weight is quantised twice: along k for the forward product, along n for the input gradient
+    assert not np.array_equal(qdq(w, "mxfp8", 0), qdq(w, "mxfp8", 1))
+
+
+def test_mxfp4_and_a_scale_rounding_mode_reach_the_products():
+    x, w, g = _operands()
+    out, _, _ = _products(fmp.Float8Recipe("mxfp4", scale_rounding="floor"), x, w, g)
+    ref = jnp.dot(qdq(x, "mxfp4", 1, scale_rounding="floor"), qdq(w, "mxfp4", 0, scale_rounding="floor"), precision=HI)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_nvfp4_forward_tiles_the_weight_and_blocks_the_activation():
+    x, w, g = _operands()
+    out, dx, dw = _products(fmp.Float8Recipe("nvfp4"), x, w, g)
+    qw = qdq(w, "nvfp4", 0, block="16x16")
+    np.testing.assert_array_equal(out, jnp.dot(qdq(x, "nvfp4", 1), qw, precision=HI))
+    # the input gradient reuses the same tiles (one quantisation serves the weight and its transpose)
+    np.testing.assert_array_equal(dx, jnp.dot(qdq(g, "nvfp4", 1), qw.T, precision=HI))
+    # the weight gradient: both inputs through the random Hadamard transform along the tokens, then 1x16
+    pad = lambda v: jnp.pad(v, ((0, -v.shape[0] % 16), (0, 0)))  # noqa: E731
+    hx, hg = random_hadamard(pad(x), 0), random_hadamard(pad(g), 0)
+    np.testing.assert_array_equal(dw, jnp.dot(qdq(hx, "nvfp4", 0).T, qdq(hg, "nvfp4", 0), precision=HI))
+    np.testing.assert_allclose(dw, x.T @ g, rtol=0.3, atol=0.3 * float(jnp.abs(x.T @ g).max()))
+
+
+def test_the_hadamard_transform_is_orthogonal_with_the_transformer_engine_signs():
+    h = hadamard16()
+    np.testing.assert_array_equal(h @ h.T, np.eye(16, dtype=np.float32))
+    assert np.array_equal(np.sign(h[:, 0]), [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1])
+
+
+def test_the_weight_may_be_the_first_operand():
+    x, w, _ = _operands()
+    recipe = fmp.Float8Recipe("nvfp4")
+    first = block_dot_general(w.T, x.T, DN, recipe, F32, weight_first=True)  # w^T @ x^T, weight on the left
+    np.testing.assert_array_equal(first.T, block_dot_general(x, w, DN, recipe, F32))
+
+
+# --- policies ---------------------------------------------------------------------------------------------------------
+def mlp(p, x):
+    h = jax.nn.gelu(x @ p["w1"])
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def _mlp_params():
+    k1, k2 = jax.random.split(jax.random.key(4))
+    return {"w1": jax.random.normal(k1, (64, 48), F32) * 0.1, "w2": jax.random.normal(k2, (48, 16), F32) * 0.1}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_presets_name_the_format(fmt):
+    policy = fmp.get_policy(f"mixed_{fmt}")
+    assert policy.fp8 == fmp.Float8Recipe(fmt) and policy.compute_dtype == jnp.bfloat16
+    assert fmp.get_policy(str(policy)) == policy
+    assert fmp.get_policy(f"p=f32,c=bf16,o=f32,fp8={fmt}") == policy
+    rep = fmp.explain(mlp, policy)(_mlp_params(), jnp.ones((32, 64), F32))
+    rows = [r for r in rep.records if r.category == "float8"]
+    assert len(rows) == 2 and {r.detail for r in rows} == {fmt}
+    elem = "float4_e2m1fn" if fmt != "mxfp8" else "float8_e4m3fn"
+    assert all(r.in_after == (elem, elem) for r in rows)
+
+
+def test_mx_is_mxfp8_and_runs_anywhere():
+    assert fmp.Float8Recipe("mx") == fmp.Float8Recipe("mxfp8") and fmp.Float8Recipe("mx").grad_dtype == "float8_e4m3fn"
+    x, w, _ = _operands()
+    out = fmp.autocast(lambda a, b: a @ b, "p=f32,c=bf16,o=f32,fp8=mx")(x, w)
+    assert out.dtype == F32 and np.isfinite(np.asarray(out)).all()
+    with pytest.raises(ValueError, match="scale_rounding"):
+        fmp.Float8Recipe("mxfp8", scale_rounding="nearest")
+
+
+def test_nvfp4_gradients_replay_with_the_same_key():
+    p, x = _mlp_params(), jax.random.normal(jax.random.key(1), (32, 64), F32)
+    grad = jax.jit(lambda p, x, k: jax.grad(fmp.autocast(mlp, "mixed_nvfp4", key=k))(p, x))
+    a, b, c = grad(p, x, jax.random.key(0)), grad(p, x, jax.random.key(0)), grad(p, x, jax.random.key(1))
+    np.testing.assert_array_equal(a["w1"], b["w1"])
+    np.testing.assert_array_equal(a["w2"], b["w2"])
+    assert not np.array_equal(a["w1"], c["w1"])
+    nearest = jax.jit(jax.grad(fmp.autocast(mlp, "mixed_nvfp4")))(p, x)  # no key: gradients round to nearest
+    assert not np.array_equal(a["w1"], nearest["w1"])
+
+
+def test_a_key_without_an_nvfp4_recipe_warns():
+    with pytest.warns(UserWarning, match="key changes nothing"):
+        fmp.autocast(mlp, "mixed_mxfp8", key=jax.random.key(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fmp.autocast(mlp, "mixed_bfloat16", overrides={"x": "mixed_nvfp4"}, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="key"):
+        fmp.autocast(mlp, "mixed_nvfp4", key=0)
+
+
+# --- training -------------------------------------------------------------------------------------------------------
+def _digits():
+    datasets = pytest.importorskip("sklearn.datasets")
+    d = datasets.load_digits()
+    return jnp.asarray(d.data / 16.0, F32), jnp.asarray(d.target, jnp.int32)
+
+
+def _train(policy, x, y, steps=300, batch=128):
+    optax = pytest.importorskip("optax")
+    sizes = [64, 128, 128, 10]
+    keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
+    params = [
+        jax.random.normal(k, (a, b), F32) / np.sqrt(a) for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
+
+    def loss(params, xb, yb):
+        h = xb
+        for w in params[:-1]:
+            h = jax.nn.gelu(h @ w)
+        return optax.softmax_cross_entropy_with_integer_labels(h @ params[-1], yb).mean()
+
+    opt = optax.adam(3e-3)
+    idx = jax.random.randint(jax.random.key(1), (steps, batch), 0, x.shape[0])
+
+    def step(carry, i):
+        params, state = carry
+        key = jax.random.fold_in(jax.random.key(2), i) if policy == "mixed_nvfp4" else None
+        grads = jax.grad(fmp.autocast(loss, policy, key=key))(params, x[idx[i]], y[idx[i]])
+        updates, state = opt.update(grads, state)
+        return (optax.apply_updates(params, updates), state), None
+
+    (params, _), _ = jax.lax.scan(step, (params, opt.init(params)), jnp.arange(steps))
+    return float(loss(params, x, y))  # the final loss on every digit, in float32
+
+
+@pytest.mark.gallery  # three 300-step trainings, about 30 s on two CPU cores
+@optax_not_strict
+def test_digits_mlp_trains_in_mxfp8_and_nvfp4_close_to_bfloat16():
+    x, y = _digits()
+    ref = _train("mixed_bfloat16", x, y)
+    mx, nv = _train("mixed_mxfp8", x, y), _train("mixed_nvfp4", x, y)
+    print(f"final loss: bfloat16 {ref:.4f}, mxfp8 {mx:.4f}, nvfp4 {nv:.4f}")
+    assert ref < 0.2  # it learned
+    assert mx < 1.1 * ref and nv < 1.5 * ref
