@@ -7,9 +7,12 @@ it through that class.
 
 Torch op names are the dispatcher keys autocast is registered on
 (``"aten::" + schema name + ("." + overload if not default)``). They were read
-from torch 2.13.0's own registry (``AutocastCPU`` / ``AutocastCUDA`` dispatch
-keys) and its header ``ATen/autocast_mode.h``; ``tests/core/test_rules.py`` re-reads
-the live registry and fails if this table and torch drift apart.
+from the registries (``AutocastCPU`` / ``AutocastCUDA`` dispatch keys) of torch
+2.13.0, 2.14.1 and 2.15.0 and from the header ``ATen/autocast_mode.h``; each torch
+table is the union over those releases, and ``TORCH_OP_RELEASES`` names the ops
+that not every release registers. ``tests/core/test_rules.py`` checks the table
+against the registries recorded from each release (``tests/core/autocast_registry``)
+and against the live registry of the installed torch, and fails if they drift apart.
 
 JAX primitive names are mapped by meaning: matrix products and convolutions run
 in the compute dtype; exponentials, logarithms, powers, special functions,
@@ -160,11 +163,12 @@ JAX_EPILOGUE = (
 # ``einsum("i,j->ij", positions, inv_freq)`` keep float32.
 JAX_UNCONTRACTED = ("dot_general",)
 
-# --- torch 2.13, CUDA autocast (ATen/autocast_mode.h lists + autocast_mode.cpp) ---
+# --- torch 2.13 to 2.15, CUDA autocast (ATen/autocast_mode.h lists + autocast_mode.cpp) ---
 
 TORCH_CUDA_LOWER_PRECISION = (
     "aten::_convolution",
     "aten::_convolution.deprecated",
+    "aten::_cudnn_rnn",  # CUDA builds only; its kernel casts to float16 whatever the autocast dtype
     "aten::_scaled_dot_product_flash_attention",
     "aten::_thnn_fused_gru_cell",
     "aten::_thnn_fused_lstm_cell",
@@ -224,6 +228,7 @@ TORCH_CUDA_FLOAT32 = (
     "aten::kl_div",
     "aten::l1_loss",
     "aten::layer_norm",
+    "aten::linalg_matrix_sqrth",
     "aten::log",
     "aten::log10",
     "aten::log1p",
@@ -308,7 +313,7 @@ TORCH_CUDA_BANNED = {
     ),
 }
 
-# --- torch 2.13, CPU autocast (autocast_mode.cpp, read from the running binary) ---
+# --- torch 2.13 to 2.15, CPU autocast (autocast_mode.cpp, read from the running binaries) ---
 
 TORCH_CPU_LOWER_PRECISION = (
     "aten::_addmm_activation",
@@ -414,6 +419,7 @@ TORCH_CPU_FLOAT32 = (
     "aten::linalg_matrix_rank.atol_rtol_float",
     "aten::linalg_matrix_rank.atol_rtol_tensor",
     "aten::linalg_matrix_rank.tol_tensor",
+    "aten::linalg_matrix_sqrth",
     "aten::linalg_qr",
     "aten::linalg_solve",
     "aten::linalg_svd",
@@ -458,3 +464,21 @@ TORCH_CPU_FLOAT32 = (
     "aten::triplet_margin_loss",
     "aten::view_as_complex",
 )
+
+# --- which torch release registers which op ---
+
+# The releases whose registries the torch tables above were read from (major, minor).
+TORCH_RELEASES = ((2, 13), (2, 14), (2, 15))
+
+# Ops that not every release of TORCH_RELEASES registers: op -> (first, last) release that has an autocast
+# kernel for it, None for an open end. They stay in the tables for the releases that have them; on the
+# others no graph can hold them.
+TORCH_OP_RELEASES = {
+    "aten::cholesky": (None, (2, 13)),  # removed in 2.14: torch.linalg.cholesky
+    "aten::qr": (None, (2, 13)),  # removed in 2.14: torch.linalg.qr
+    "aten::linalg_matrix_sqrth": ((2, 14), None),  # new in 2.14, float32 on CPU and CUDA
+}
+
+# Ops whose AutocastCUDA kernel only CUDA builds compile (ATen/cudnn/AutocastRNN.cpp): a CPU build's
+# registry lacks them.
+TORCH_CUDA_BUILD_ONLY = ("aten::_cudnn_rnn",)

@@ -8,8 +8,11 @@ from fmp._core._optional import require
 
 require("torch", "fmp.torch")  # a missing torch raises an error that says how to install it
 
+from fmp.torch import autocast_mode as autocast_mode
 from fmp.torch import cuda as cuda
+from fmp.torch import grad_scaler as grad_scaler
 from fmp.torch._autocast import autocast as autocast
+from fmp.torch._autocast import is_autocast_available as is_autocast_available
 from fmp.torch._custom import custom_bwd as custom_bwd
 from fmp.torch._custom import custom_fwd as custom_fwd
 from fmp.torch._fx._api import autocast_fx as autocast_fx
@@ -26,10 +29,13 @@ __all__ = [
     "autocast",
     "autocast_fx",
     "autocast_graph",
+    "autocast_mode",
     "cuda",
     "custom_bwd",
     "custom_fwd",
     "explain_fx",
     "explain_graph",
+    "grad_scaler",
+    "is_autocast_available",
     "plan_fx",
 ]

@@ -49,7 +49,7 @@ from fmp._core import _rules
 from fmp._policy import Policy
 from fmp.torch._policy import torch_policy
 
-__all__ = ["autocast"]
+__all__ = ["autocast", "is_autocast_available"]
 
 _NAME_ALIASES = {
     "__matmul__": "matmul",
@@ -154,6 +154,30 @@ class _RuleMode(TorchFunctionMode):
         args = _map_tensors(cast, args)
         kwargs = {k: _map_tensors(cast, v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+
+def is_autocast_available(device_type: str) -> bool:
+    """Whether `fmp.torch.autocast` can run on ``device_type`` (``torch.amp.is_autocast_available``).
+
+    With the default rules an `fmp.torch.autocast` region is torch's own autocast, so the answer is
+    torch's, with torch's errors. `fmp.torch.autocast_fx` has rule tables for ``"cpu"`` and ``"cuda"``.
+
+    Args:
+      device_type: A device type, as ``torch.device(...).type`` names it (``"cpu"``, ``"cuda"``, ...).
+
+    Returns:
+      True if torch has autocast for ``device_type``.
+
+    Raises:
+      TypeError: ``device_type`` is not a str (torch's message).
+      RuntimeError: ``device_type`` is not a device type torch knows (torch's message).
+
+    Examples:
+      >>> import fmp.torch
+      >>> fmp.torch.is_autocast_available("cpu"), fmp.torch.is_autocast_available("meta")
+      (True, False)
+    """
+    return torch.amp.is_autocast_available(device_type)
 
 
 class autocast:  # noqa: N801 (torch's name)

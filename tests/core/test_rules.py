@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import jax
 import pytest
+from _helpers.torch_registry import KEYS, live_registry, recorded_registry, recorded_releases
 
 import fmp
 from fmp import Category
 from fmp._core import _rules_data
 from fmp._core._rules import decide
+from fmp._core._torch_releases import release_of, torch_registry
 
 CATS = [Category.LOWER_PRECISION, Category.FLOAT32, Category.PROMOTE, Category.BANNED]
 
@@ -46,18 +48,66 @@ def test_each_torch_op_in_exactly_one_category(device):
     assert sum(len(s) for s in per_cat) == len(union) == len(table)
 
 
-@pytest.mark.parametrize(("device", "key"), [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
-def test_torch_table_matches_live_registry(device, key):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torch_table_matches_live_registry(device):
     torch = pytest.importorskip("torch")
-    live = {
-        name
-        for name in torch._C._dispatch_get_all_op_names()
-        if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
-    }
-    ours = set(fmp.DEFAULT_RULES.table("torch", device))
-    assert live, f"torch reports no {key} kernels: the registry API changed"
-    assert sorted(live - ours) == [], f"ops torch autocasts that the table lacks ({key})"
-    assert sorted(ours - live) == [], f"ops in the table that torch does not autocast ({key})"
+    release = release_of(torch.__version__)
+    live = set(live_registry(device))
+    ours = set(torch_registry(release, device, cuda_build=torch.version.cuda is not None))
+    assert live, f"torch reports no {KEYS[device]} kernels: the registry API changed"
+    assert release in _rules_data.TORCH_RELEASES, (
+        f"torch {torch.__version__} is not a release the table was read from ({_rules_data.TORCH_RELEASES}): "
+        "record its registry (tests/_helpers/torch_registry.py) and add it"
+    )
+    assert sorted(live - ours) == [], f"ops torch {torch.__version__} autocasts that the table lacks ({KEYS[device]})"
+    assert sorted(ours - live) == [], f"table ops torch {torch.__version__} does not autocast ({KEYS[device]})"
+
+
+def test_every_table_release_is_recorded():
+    assert recorded_releases() == list(_rules_data.TORCH_RELEASES)
+
+
+@pytest.mark.parametrize("release", recorded_releases(), ids=lambda r: f"{r[0]}.{r[1]}")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_torch_table_matches_recorded_registry(device, release):
+    """The registry recorded from each tested release (a CUDA build), with no torch installed."""
+    recorded = recorded_registry(release)
+    assert recorded["cuda"], "recorded from a CPU build: its AutocastCUDA registry lacks the CUDA-only kernels"
+    recorded = set(recorded[KEYS[device]])
+    ours = set(torch_registry(release, device))
+    assert sorted(recorded - ours) == [], f"ops torch {release} autocasts that the table lacks ({device})"
+    assert sorted(ours - recorded) == [], f"ops in the table that torch {release} does not autocast ({device})"
+
+
+def test_version_guards_name_table_ops():
+    for op in _rules_data.TORCH_OP_RELEASES:
+        assert op in fmp.DEFAULT_RULES.torch_cpu or op in fmp.DEFAULT_RULES.torch_cuda, op
+    assert set(_rules_data.TORCH_CUDA_BUILD_ONLY) <= set(fmp.DEFAULT_RULES.torch_cuda)
+    assert torch_registry((2, 13), "cuda") - torch_registry((2, 13), "cuda", cuda_build=False) == {"aten::_cudnn_rnn"}
+
+
+@pytest.mark.parametrize(
+    ("version", "release"), [("2.13.0+cpu", (2, 13)), ("2.15.0", (2, 15)), ("2.16.0a0+git0123", (2, 16))]
+)
+def test_release_of(version, release):
+    assert release_of(version) == release
+
+
+def test_release_of_and_registry_errors():
+    with pytest.raises(ValueError, match="version must look like"):
+        release_of("nightly")
+    with pytest.raises(ValueError, match="device must be one of"):
+        torch_registry((2, 15), "mps")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_removed_and_added_ops_follow_their_releases(device):
+    """cholesky and qr left torch's CPU registry in 2.14, linalg_matrix_sqrth came (float32, as torch runs it)."""
+    old, new = torch_registry((2, 13), device), torch_registry((2, 15), device)
+    if device == "cpu":
+        assert {"aten::cholesky", "aten::qr"} <= old and not {"aten::cholesky", "aten::qr"} & new
+    assert "aten::linalg_matrix_sqrth" in new and "aten::linalg_matrix_sqrth" not in old
+    assert fmp.DEFAULT_RULES.category("aten::linalg_matrix_sqrth", "torch", device) is Category.FLOAT32
 
 
 def test_cuda_categories_match_torch_header():
@@ -82,10 +132,14 @@ def test_cuda_categories_match_torch_header():
     promote = set(r.ops("promote", "torch", "cuda"))
     assert macro("AT_FORALL_LOWER_PRECISION_FP") <= lower
     assert lower - macro("AT_FORALL_LOWER_PRECISION_FP") == {
+        "aten::_cudnn_rnn",
         "aten::cudnn_convolution",
         "aten::cudnn_convolution_transpose",
     }
     assert macro("AT_FORALL_FP32") | macro("AT_FORALL_FP32_SET_OPT_DTYPE") <= f32
+    # registered outside the header's lists (autocast_mode.cpp, from torch 2.14)
+    outside = f32 - macro("AT_FORALL_FP32") - macro("AT_FORALL_FP32_SET_OPT_DTYPE")
+    assert outside - set(_rules_data.TORCH_CUDA_FLOAT32_APPEND_DTYPE) == {"aten::linalg_matrix_sqrth"}
     assert macro("AT_FORALL_PROMOTE") == promote
     set_opt = {k for k, v in r.torch_cuda_variants.items() if v == "set_opt_dtype"}
     assert set_opt == macro("AT_FORALL_FP32_SET_OPT_DTYPE")

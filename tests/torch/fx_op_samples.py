@@ -1,7 +1,11 @@
-"""Sample inputs for every op in torch 2.13's CPU autocast registry (for tests/torch/fx/test_fx_ops.py).
+"""Sample inputs for every op in torch 2.13-2.15's autocast registries (for tests/torch/fx/test_fx_ops.py).
 
 ``SAMPLES[key]()`` returns ``(args, kwargs)`` for ``torch.ops.aten.<op>.<overload>``;
 floating tensors are float32 (the test also runs them in the autocast dtype).
+The test runs the ops of the installed torch's registry, so the samples of ops
+that only some releases register (``aten::cholesky`` and ``aten::qr`` up to 2.13,
+``aten::linalg_matrix_sqrth`` from 2.14) run only on those releases;
+test_fx_ops.py checks that the samples cover every recorded registry.
 Built by hand from the op schemas, so the suite does not need torch's test
 helpers (``torch.testing._internal`` imports ``expecttest``).
 """
@@ -167,6 +171,7 @@ SAMPLES = {
     "aten::linalg_matrix_rank.atol_rtol_float": lambda: ((r(4, 4),), {"atol": 1e-3}),
     "aten::linalg_matrix_rank.atol_rtol_tensor": lambda: ((r(4, 4),), {"atol": torch.tensor(1e-3)}),
     "aten::linalg_matrix_rank.tol_tensor": lambda: ((r(4, 4), torch.tensor(1e-3)), {}),
+    "aten::linalg_matrix_sqrth": lambda: ((_spd(4),), {}),  # torch 2.14 and later
     "aten::linalg_qr": lambda: ((r(5, 3),), {}),
     "aten::linalg_solve": lambda: ((_well(4), r(4, 2)), {}),
     "aten::linalg_svd": lambda: ((r(5, 3),), {}),
@@ -248,12 +253,22 @@ def _thnn(kind: str):
     return (r(batch, gates * hid), r(batch, gates * hid), r(batch, hid), r(gates * hid), r(gates * hid)), {}
 
 
-# Ops only on torch 2.13's CUDA autocast list (the CUDA test also reuses SAMPLES for shared ops).
+def _cudnn_rnn():
+    n_in, hid, seq, batch = 4, 3, 5, 2
+    weights = [r(4 * hid, n_in), r(4 * hid, hid), r(4 * hid), r(4 * hid)]
+    # an LSTM (mode 2): input, weights, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size,
+    # num_layers, batch_first, dropout, train, bidirectional, batch_sizes, dropout_state
+    h = (r(1, batch, hid), r(1, batch, hid))
+    return (r(seq, batch, n_in), weights, 4, None, *h, 2, hid, 0, 1, False, 0.0, False, False, [], None), {}
+
+
+# Ops only on the CUDA autocast lists (the CUDA test also reuses SAMPLES for shared ops).
 CUDA_SAMPLES = {
     "aten::_convolution": lambda: (
         (r(1, 2, 6, 6), r(3, 2, 3, 3), r(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, False, False, False, False),
         {},
     ),
+    "aten::_cudnn_rnn": _cudnn_rnn,  # CUDA builds only
     "aten::_scaled_dot_product_flash_attention": lambda: ((r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 8)), {}),
     "aten::_thnn_fused_gru_cell": lambda: _thnn("gru"),
     "aten::_thnn_fused_lstm_cell": lambda: _thnn("lstm"),
