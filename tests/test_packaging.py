@@ -424,6 +424,33 @@ def test_tested_versions_table_matches_ci_and_the_claims():
     assert 'export PIP_CONSTRAINT="$root/.ci/constraints-py$1.txt"' in ci
 
 
+def test_torch_extra_claims_the_tested_releases():
+    """The torch extra's lower bound is the oldest release the rule table was read from; CI pins the oldest
+    (the Python 3.11 row) and the newest (a constraints-torch file of its own, in a stage of .ci/run)."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    from fmp._core._rules_data import TORCH_RELEASES
+    from fmp._core._torch_releases import release_of
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (torch_req,) = map(Requirement, project["optional-dependencies"]["torch"])
+    oldest, newest = TORCH_RELEASES[0], TORCH_RELEASES[-1]
+    assert str(torch_req.specifier) == f">={oldest[0]}.{oldest[1]}"
+
+    def pinned(name):
+        return release_of(re.search(r"^torch==(\S+)$", (ROOT / ".ci" / name).read_text(), re.M).group(1))
+
+    assert pinned("constraints-py3.11.txt") == oldest
+    newest_file = f"constraints-torch{newest[0]}.{newest[1]}.txt"
+    assert pinned(newest_file) == newest
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'export PIP_CONSTRAINT="$root/.ci/{newest_file}"' in ci
+    page = (ROOT / "docs" / "installation.md").read_text()
+    for major, minor in TORCH_RELEASES:
+        assert re.search(rf"^\| {major}\.{minor}\.\d+ \|", page, re.M), f"docs/installation.md: no {major}.{minor}"
+
+
 def _ci_function(name: str) -> str:
     """The text of shell function ``name`` as .ci/run defines it (from ``name() {`` to its closing ``}``)."""
     ci = (ROOT / ".ci" / "run").read_text()

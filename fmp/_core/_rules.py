@@ -355,7 +355,8 @@ DEFAULT_RULES = RuleSet(
 Its JAX table says which primitives run in the compute dtype (``float8``: ``dot_general`` and convolutions,
 which run in float8 under a policy with an fp8 recipe and in the compute dtype otherwise), which in float32
 (exponentials, logarithms, powers, reductions, linear algebra, FFT) and which in their widest input; its torch
-tables are torch 2.13's CPU and CUDA autocast op lists.
+tables are torch's CPU and CUDA autocast op lists, the union over torch 2.13, 2.14 and 2.15 (an op only some of
+them register, as ``aten::qr`` up to 2.13, is listed for all; no graph of another release holds it).
 
 Examples:
   >>> fmp.DEFAULT_RULES.category("exp")

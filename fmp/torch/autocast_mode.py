@@ -1,7 +1,7 @@
 """``fmp.torch.autocast_mode``: the names of ``torch.amp.autocast_mode``, for code that imports from there.
 
 ``from torch.amp.autocast_mode import autocast`` becomes
-``from fmp.torch.autocast_mode import autocast``; the names are `fmp.torch`'s.
+``from fmp.torch.autocast_mode import autocast``; the names are ``fmp.torch``'s.
 torch's ``autocast_decorator``, a helper of its ``autocast.__call__``, has no
 counterpart: decorate with an `fmp.torch.autocast` instance instead.
 

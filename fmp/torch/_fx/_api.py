@@ -46,7 +46,7 @@ def autocast_graph(
         output but float64 (``"mixed_bfloat16"``: float32), as ``fmp.torch.autocast(policy=...)``
         gives a decorated function's; its param dtype is where you keep parameters (nothing is cast
         to it, as on the JAX side). The torch spellings leave outputs as torch's autocast does.
-      rules: The rule table; ``fmp.DEFAULT_RULES`` (torch 2.13's registry) if None.
+      rules: The rule table; ``fmp.DEFAULT_RULES`` (torch's registries, 2.13 to 2.15) if None.
       device_type: ``"cpu"`` or ``"cuda"`` when ``policy`` gives none.
       dtype: ``torch.bfloat16`` or ``torch.float16`` when ``policy`` gives none.
 
