@@ -43,7 +43,7 @@ SCALINGS = ("tensorwise", "rowwise")
 def _policy(scaling: str, **changes: Any) -> fmp.Policy:
     """``"mixed_float8"`` with torchao's named recipe (exact tensorwise scales, e4m3 rowwise gradients)."""
     recipe = fmp.Float8Recipe.from_peer(f"torchao_{scaling}", **changes)
-    return dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=recipe)
+    return dataclasses.replace(fmp.get_policy("mixed_float8"), float8=recipe)
 
 
 def _mlp(torch, c: dict[str, int], device: str):
@@ -91,7 +91,7 @@ def check_exact(torch, device: str) -> list[dict[str, Any]]:
         lin.weight.copy_(ints(-8, 8, 32, 64))
     out = []
     for scaling in SCALINGS:
-        pol = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=fmp.Float8Recipe(scaling, output="float32"))
+        pol = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=fmp.Float8Recipe(scaling, output="float32"))
         res = {}
         for kernel in ("scaled_mm", "emulated"):
             try:

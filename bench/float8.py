@@ -30,8 +30,8 @@ POLICIES = {
     "float32": None,
     "mixed_bfloat16": "mixed_bfloat16",
     "fp8 tensorwise": "mixed_float8",
-    "fp8 rowwise": "p=f32,c=bf16,o=f32,fp8=rowwise",
-    "fp8 blockwise": "p=f32,c=bf16,o=f32,fp8=blockwise",
+    "fp8 rowwise": "p=f32,c=bf16,o=f32,float8=rowwise",
+    "fp8 blockwise": "p=f32,c=bf16,o=f32,float8=blockwise",
 }
 
 
@@ -43,8 +43,8 @@ def variants() -> dict:
 COLD = {
     "mixed_bfloat16": "mixed_bfloat16",
     "fp8 tensorwise": "mixed_float8",
-    "fp8 rowwise": "p=f32,c=bf16,o=f32,fp8=rowwise",
-    "fp8 delayed": "p=f32,c=bf16,o=f32,fp8=delayed",
+    "fp8 rowwise": "p=f32,c=bf16,o=f32,float8=rowwise",
+    "fp8 delayed": "p=f32,c=bf16,o=f32,float8=delayed",
 }
 
 
@@ -63,7 +63,7 @@ def first_trace(name: str) -> tuple[float, float]:
         if "delayed" in policy:
             state = fmp.float8_state(loss, policy)(params, x)
             step = jax.value_and_grad(
-                lambda p, st, x: fmp.autocast(loss, policy, fp8_state=st)(p, x), argnums=(0, 1)
+                lambda p, st, x: fmp.autocast(loss, policy, float8_state=st)(p, x), argnums=(0, 1)
             )
             args = (params, state, x)
         else:

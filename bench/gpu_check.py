@@ -263,7 +263,7 @@ def time_train_step(c: dict[str, int], iters: int) -> list[dict[str, Any]]:
         "fmp.autocast bf16": fmp.autocast(make_loss(c, hand=False), "mixed_bfloat16"),
         "hand-cast bf16": make_loss(c, hand=True),
         "fmp.autocast fp8 tensorwise": fmp.autocast(make_loss(c, hand=False), "mixed_float8"),
-        "fmp.autocast fp8 rowwise": fmp.autocast(make_loss(c, hand=False), "p=f32,c=bf16,o=f32,fp8=rowwise"),
+        "fmp.autocast fp8 rowwise": fmp.autocast(make_loss(c, hand=False), "p=f32,c=bf16,o=f32,float8=rowwise"),
     }
     out = []
     for name, loss in variants.items():

@@ -102,7 +102,7 @@ def variants(model: nn.Module, inputs: tuple) -> dict[str, tuple[nn.Module, obje
         ao = convert_to_float8_training(copy.deepcopy(model), config=cfg)
         out[f"torchao {scaling}"] = (ao, _autocast(ao))
         ours = copy.deepcopy(model)
-        policy = fmp.Policy("f32", "bf16", "f32", fp8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}"))
+        policy = fmp.Policy("f32", "bf16", "f32", float8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}"))
         out[f"autocast_fx {scaling}"] = (ours, fmp.torch.autocast_fx(ours, inputs, policy))
     return out
 

@@ -138,7 +138,7 @@ def policy_for(
     gives a float8 recipe the exact scales ``fp8_max / amax`` instead of powers of two."""
     policy = {None: "mixed_bfloat16", "float32": "float32"}.get(recipe)
     if policy is None:
-        policy = fmp.Policy("f32", "bf16", "f32", fp8=fmp.Float8Recipe(recipe, pow2_scales=pow2))
+        policy = fmp.Policy("f32", "bf16", "f32", float8=fmp.Float8Recipe(recipe, pow2_scales=pow2))
     over = {k: "mixed_bfloat16" for k in keep} if keep and recipe not in (None, "float32") else None
     return policy, over
 
@@ -158,7 +158,7 @@ def make_step(task: dict[str, Any], recipe: str | None, keep: tuple[str, ...] = 
             loss, grads = jax.value_and_grad(fmp.autocast(task["loss"], policy, overrides=over))(params, x, y)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, state, loss
-        fn = lambda p, s: fmp.autocast(task["loss"], policy, overrides=over, fp8_state=s)(p, x, y)  # noqa: E731
+        fn = lambda p, s: fmp.autocast(task["loss"], policy, overrides=over, float8_state=s)(p, x, y)  # noqa: E731
         loss, grads = jax.value_and_grad(fn, argnums=(0, 1))(params, state)
         return (*fmp.optax.float8_step(tx, grads, opt_state, params, state), loss)
 

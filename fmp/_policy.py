@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fmp._core import _dtypes
+from fmp._core._renamed import NOT_GIVEN, renamed_argument, warn_renamed
 from fmp._float8._recipe import SCALING_ALIASES, SCALINGS, Float8Recipe, as_recipe
 
 T = TypeVar("T")
@@ -21,8 +22,8 @@ PRESETS: dict[str, tuple[str, str, str]] = {
     "float32": ("float32", "float32", "float32"),
 }
 
-# presets with a float8 recipe: (param, compute, output, fp8 scaling)
-FP8_PRESETS: dict[str, tuple[str, str, str, str]] = {
+# presets with a float8 recipe: (param, compute, output, float8 scaling)
+FLOAT8_PRESETS: dict[str, tuple[str, str, str, str]] = {
     "mixed_float8": ("float32", "bfloat16", "float32", "tensorwise"),
     # block-scaled formats (emulated where the device has no MX tensor cores; see fmp.quantize)
     "mixed_mxfp8": ("float32", "bfloat16", "float32", "mxfp8"),
@@ -32,14 +33,20 @@ FP8_PRESETS: dict[str, tuple[str, str, str, str]] = {
 
 # the keys of a key=dtype spec, per field: a long name and jmp's short form (jmp's own spellings); nothing else
 # is taken, so a near miss ("param=", "outputs=") is an error that names the key it meant
-_KEY_SPELLINGS = {"param": ("params", "p"), "compute": ("compute", "c"), "output": ("output", "o"), "fp8": ("fp8",)}
+_KEY_SPELLINGS = {
+    "param": ("params", "p"),
+    "compute": ("compute", "c"),
+    "output": ("output", "o"),
+    "float8": ("float8",),
+}
 _KEYS = {key: field for field, keys in _KEY_SPELLINGS.items() for key in keys}
+_OLD_FLOAT8_KEY = "fp8"  # the deprecated spelling of float8= (one release)
 _ACCEPTED_KEYS = ", ".join("|".join(keys) for keys in _KEY_SPELLINGS.values())
 
 _MSG_SPEC_FORMAT = (
     "A policy spec is a preset ({presets}), a single dtype (all three fields), or comma-separated "
     "key=dtype pairs with keys {keys}, e.g. 'params=float32,compute=bfloat16,output=float32' "
-    "or 'p=f32,c=bf16,o=f32' (add fp8=tensorwise|rowwise|blockwise|delayed|mxfp8|mxfp4|nvfp4 for float8 or "
+    "or 'p=f32,c=bf16,o=f32' (add float8=tensorwise|rowwise|blockwise|delayed|mxfp8|mxfp4|nvfp4 for float8 or "
     "block-scaled matmuls). "
     "Accepted dtypes: {dtypes}."
 )
@@ -47,7 +54,7 @@ _MSG_UNKNOWN_KEY = "get_policy(spec): unknown key {key!r} in {token!r}{hint}; th
 
 
 def _spec_help() -> str:
-    presets = ", ".join([*PRESETS, *FP8_PRESETS])
+    presets = ", ".join([*PRESETS, *FLOAT8_PRESETS])
     return _MSG_SPEC_FORMAT.format(presets=presets, keys=_ACCEPTED_KEYS, dtypes=_dtypes.accepted_spellings())
 
 
@@ -82,7 +89,7 @@ def _to_name(value: Any, field: str) -> str:
     return dt.name
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)  # __init__ takes the deprecated fp8= too
 class Policy:
     """The dtypes of a mixed-precision program: parameters, computation and outputs.
 
@@ -94,9 +101,10 @@ class Policy:
       param_dtype: dtype parameters are stored in.
       compute_dtype: dtype matrix products and convolutions run in.
       output_dtype: dtype of the outputs of a policy-wrapped function.
-      fp8: Optional float8 recipe (a ``fmp.Float8Recipe`` or a scaling name
+      float8: Optional float8 recipe (a ``fmp.Float8Recipe`` or a scaling name
         such as ``"tensorwise"``): matmuls and convolutions (the rule table's
         ``float8`` category) then run in float8, everything else as without it.
+      fp8: Deprecated name of ``float8`` (warns; removed in the next release).
 
     Raises:
       ValueError: a field is not a floating dtype.
@@ -108,24 +116,39 @@ class Policy:
       'params=float32,compute=bfloat16,output=float32'
       >>> p.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
       dtype(bfloat16)
-      >>> fmp.Policy("f32", "bf16", "f32", fp8="rowwise") == fmp.get_policy("p=f32,c=bf16,o=f32,fp8=rowwise")
+      >>> fmp.Policy("f32", "bf16", "f32", float8="rowwise") == fmp.get_policy("p=f32,c=bf16,o=f32,float8=rowwise")
       True
     """
 
     param_dtype: Any
     compute_dtype: Any
     output_dtype: Any
-    fp8: Float8Recipe | None = None
+    float8: Float8Recipe | None = None
 
-    def __post_init__(self) -> None:
-        for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            name = _to_name(getattr(self, field), field)
-            object.__setattr__(self, field, jnp.dtype(name))
-        object.__setattr__(self, "fp8", as_recipe(self.fp8))
+    def __init__(
+        self,
+        param_dtype: Any,
+        compute_dtype: Any,
+        output_dtype: Any,
+        float8: Float8Recipe | str | None = None,
+        *,
+        fp8: Any = NOT_GIVEN,
+    ) -> None:
+        float8 = renamed_argument(float8, fp8, "Policy(fp8=...)", "Policy(float8=...)")
+        dtypes = {"param_dtype": param_dtype, "compute_dtype": compute_dtype, "output_dtype": output_dtype}
+        for field, value in dtypes.items():
+            object.__setattr__(self, field, jnp.dtype(_to_name(value, field)))
+        object.__setattr__(self, "float8", as_recipe(float8))
+
+    @property
+    def fp8(self) -> Float8Recipe | None:
+        """Deprecated name of ``float8`` (warns; removed in the next release)."""
+        warn_renamed("Policy.fp8", "Policy.float8")
+        return self.float8
 
     def __str__(self) -> str:
         out = f"params={self.param_dtype.name},compute={self.compute_dtype.name},output={self.output_dtype.name}"
-        return out if self.fp8 is None else f"{out},fp8={self.fp8}"
+        return out if self.float8 is None else f"{out},float8={self.float8}"
 
     def with_param_dtype(self, dtype: Any) -> Policy:
         """A copy with another ``param_dtype``."""
@@ -194,11 +217,11 @@ def get_policy(spec: str | Policy) -> Policy:
     * comma-separated ``key=dtype`` pairs, keys ``params``/``p``,
       ``compute``/``c``, ``output``/``o`` (jmp's; no other spelling); dtypes
       ``float16``/``f16``/``half``, ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``;
-      and ``fp8=<scaling>`` (``tensorwise``, ``rowwise``, ``blockwise``,
+      and ``float8=<scaling>`` (``tensorwise``, ``rowwise``, ``blockwise``,
       ``delayed``, ``mxfp8``, ``mxfp4``, ``nvfp4``) for float8 or block-scaled matmuls;
     * ``"mixed_float8"``: the ``mixed_bfloat16`` dtypes with tensorwise float8
       matmuls (see ``fmp.Float8Recipe``); ``"mixed_mxfp8"``, ``"mixed_mxfp4"`` and ``"mixed_nvfp4"``:
-      the same with matmuls in a block-scaled format (``fp8=mxfp8`` ...; see `fmp.quantize`).
+      the same with matmuls in a block-scaled format (``float8=mxfp8`` ...; see `fmp.quantize`).
 
     Unspecified fields: ``params`` defaults to float32, ``compute`` to
     ``params``, and ``output`` to ``params`` (outputs return to the full type).
@@ -210,7 +233,7 @@ def get_policy(spec: str | Policy) -> Policy:
 
     Examples:
       >>> fmp.get_policy("p=f32,c=bf16")
-      Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'), fp8=None)
+      Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'), float8=None)
       >>> fmp.get_policy(str(fmp.get_policy("mixed_float16"))) == fmp.get_policy("mixed_float16")
       True
     """
@@ -224,9 +247,9 @@ def get_policy(spec: str | Policy) -> Policy:
     preset = PRESETS.get(text.lower())
     if preset is not None:
         return Policy(*preset)
-    fp8_preset = FP8_PRESETS.get(text.lower())
-    if fp8_preset is not None:
-        return Policy(*fp8_preset[:3], fp8=fp8_preset[3])
+    float8_preset = FLOAT8_PRESETS.get(text.lower())
+    if float8_preset is not None:
+        return Policy(*float8_preset[:3], float8=float8_preset[3])
     if "=" not in text and "," not in text:
         name = _dtypes.canonical_name(text)
         if name is None:
@@ -241,16 +264,19 @@ def get_policy(spec: str | Policy) -> Policy:
         if not sep:
             raise ValueError(f"get_policy(spec): entry {token!r} is not of the form key=dtype. {_spec_help()}")
         field = _KEYS.get(key.strip().lower())
+        if field is None and key.strip().lower() == _OLD_FLOAT8_KEY:
+            warn_renamed(f"The policy key {_OLD_FLOAT8_KEY}= (in {spec!r})", "float8=")
+            field = "float8"
         if field is None:
             raise ValueError(_unknown_key(key.strip(), token))
         if field in fields:
             keys = _KEY_SPELLINGS[field]  # the public spellings: the field name "param" is not a key
             spelled = repr(keys[0]) + (f" (or {keys[1]!r})" if len(keys) > 1 else "")
             raise ValueError(f"get_policy(spec): {spelled} is given twice (in {token!r}). {_spec_help()}")
-        if field == "fp8":
+        if field == "float8":
             if value.strip().lower() not in (*SCALINGS, *SCALING_ALIASES):
                 raise ValueError(
-                    f"get_policy(spec): unknown fp8 scaling {value.strip()!r} in {token!r} "
+                    f"get_policy(spec): unknown float8 scaling {value.strip()!r} in {token!r} "
                     f"(accepted: {', '.join(SCALINGS)}). {_spec_help()}"
                 )
             fields[field] = value.strip().lower()
@@ -262,4 +288,4 @@ def get_policy(spec: str | Policy) -> Policy:
     param = fields.get("param", "float32")
     compute = fields.get("compute", param)
     output = fields.get("output", param)
-    return Policy(param, compute, output, fp8=fields.get("fp8"))
+    return Policy(param, compute, output, float8=fields.get("float8"))

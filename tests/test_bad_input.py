@@ -644,7 +644,7 @@ def test_policy_spec_takes_only_the_documented_keys(spec, key, hint):
         fmp.get_policy(spec)
     msg = str(err.value)
     first = f"get_policy(spec): unknown key {key!r} in {token!r}{hint}; the accepted keys are params|p, compute|c, "
-    assert msg.startswith(first + "output|o, fp8. A policy spec is a preset (mixed_bfloat16, "), msg
+    assert msg.startswith(first + "output|o, float8. A policy spec is a preset (mixed_bfloat16, "), msg
     for ok in ("params=f32,compute=bf16,output=f32", "p=f32,c=bf16,o=f32", "PARAMS=f32, C=bf16"):
         assert fmp.get_policy(ok) == fmp.get_policy("mixed_bfloat16")
 

@@ -22,7 +22,7 @@ def main(steps: int = 40) -> None:
     y = (x[:, :4] @ torch.randn(4, 16)).argmax(dim=1)  # 16 classes, a learnable rule
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     recipe = fmp.Float8Recipe.from_peer("torchao_rowwise")  # torchao's "rowwise", exactly
-    policy = fmp.Policy("f32", "bf16", "f32", fp8=recipe)
+    policy = fmp.Policy("f32", "bf16", "f32", float8=recipe)
     model = fmp.torch.autocast_fx(model, (x[:64],), policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 

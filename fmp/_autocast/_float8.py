@@ -1,4 +1,4 @@
-"""The float8 rewrite of one matmul or convolution, under a policy that carries an fp8 recipe.
+"""The float8 rewrite of one matmul or convolution, under a policy that carries a float8 recipe.
 
 The rule table puts ``dot_general`` and ``conv_general_dilated`` in the ``float8`` category; under a policy
 without a recipe they are ordinary lower-precision ops (``_leaf``), under one with a recipe ``_leaf`` hands
@@ -34,7 +34,7 @@ def float8(
     feeder of the body it is in (``_hops._float8_rows``: a scan body's row is its iteration's). ``why``: the scope
     rule's reason (``_leaf._float8_scope``), for the explain row.
     """
-    recipe = policy.fp8
+    recipe = policy.float8
     if recipe.output == "float32":
         out_dtype = np.dtype(jnp.float32)
     site = recipe.scaling == "delayed" and ctx.fp8_sites is not None and eqn.primitive.name == "dot_general"

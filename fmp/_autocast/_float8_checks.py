@@ -19,21 +19,21 @@ from fmp._float8._state import Float8State
 from fmp._policy import Policy
 
 _MSG_NO_STATE = (
-    "fmp.autocast(policy={policy!r}) asks for delayed float8 scaling but no fp8_state was given, so every "
+    "fmp.autocast(policy={policy!r}) asks for delayed float8 scaling but no float8_state was given, so every "
     "float8 matmul runs with current (tensorwise) scaling. Build the state with fmp.float8_state(fn, policy)"
-    "(*args), pass it as fp8_state= and differentiate the loss with respect to it (see fmp.Float8State), or "
-    "use fp8=tensorwise to ask for current scaling."
+    "(*args), pass it as float8_state= and differentiate the loss with respect to it (see fmp.Float8State), or "
+    "use float8=tensorwise to ask for current scaling."
 )
 _MSG_NOT_DELAYED = (
-    "fmp.autocast(fp8_state=...) needs a policy with fp8=delayed, got {policy!r}: its matmuls would never read "
-    "the state. Use a delayed policy (e.g. 'p=f32,c=bf16,o=f32,fp8=delayed'), or drop fp8_state."
+    "fmp.autocast(float8_state=...) needs a policy with float8=delayed, got {policy!r}: its matmuls would never read "
+    "the state. Use a delayed policy (e.g. 'p=f32,c=bf16,o=f32,float8=delayed'), or drop float8_state."
 )
 _MSG_HISTORY = (
-    "fp8_state keeps {have} steps of amax history but the policy's recipe asks for history_len={want}. Build "
+    "float8_state keeps {have} steps of amax history but the policy's recipe asks for history_len={want}. Build "
     "the state with fmp.float8_state under the same policy (or give the recipe history_len={have})."
 )
 _MSG_SHARED = (
-    "fmp.autocast: this fp8_state was already used by another autocast call in the same differentiated "
+    "fmp.autocast: this float8_state was already used by another autocast call in the same differentiated "
     "function; its gradient (the next amax history) would be the sum of both calls' histories. Give each call "
     "its own state (fmp.float8_state of each function), or run both calls in one autocast function."
 )
@@ -42,7 +42,7 @@ _MSG_SHARED = (
 def delayed_recipes(policy: Policy, overrides: tuple[tuple[str, Policy], ...]) -> list[Float8Recipe]:
     """The delayed-scaling recipes of a policy and its overrides."""
     pols = [policy, *(p for _, p in overrides)]
-    return [p.fp8 for p in pols if p.fp8 is not None and p.fp8.scaling == "delayed"]
+    return [p.float8 for p in pols if p.float8 is not None and p.float8.scaling == "delayed"]
 
 
 def check_state(
@@ -55,7 +55,7 @@ def check_state(
             warnings.warn(_MSG_NO_STATE.format(policy=label), stacklevel=3)
         return
     if not isinstance(state, Float8State):
-        raise TypeError(f"autocast(fp8_state=...) expects an fmp.Float8State, got {type(state).__name__}")
+        raise TypeError(f"autocast(float8_state=...) expects an fmp.Float8State, got {type(state).__name__}")
     if not recipes:
         raise ValueError(_MSG_NOT_DELAYED.format(policy=label))
     have = state.amax_history.shape[-1]
@@ -80,7 +80,7 @@ def claim(state: Float8State) -> None:
 
 _MSG_KEY_UNUSED = (
     "fmp.autocast(key=...): no matmul under policy {policy!r} (or its overrides) rounds stochastically, so the "
-    "key changes nothing. Only an NVFP4 recipe ('mixed_nvfp4', fp8=nvfp4) uses it, for its gradients."
+    "key changes nothing. Only an NVFP4 recipe ('mixed_nvfp4', float8=nvfp4) uses it, for its gradients."
 )
 
 
@@ -90,6 +90,6 @@ def check_key(key: Any, policy: Policy, overrides: tuple[tuple[str, Policy], ...
         return
     if not isinstance(key, jax.Array):
         raise TypeError(f"autocast(key=...) must be a jax.random key (jax.random.key(0)), got {type(key).__name__}")
-    recipes = [policy.fp8, *(p.fp8 for _, p in overrides)]
+    recipes = [policy.float8, *(p.float8 for _, p in overrides)]
     if not any(r is not None and r.scaling == "nvfp4" for r in recipes):
         warnings.warn(_MSG_KEY_UNUSED.format(policy=str(policy)), UserWarning, stacklevel=3)

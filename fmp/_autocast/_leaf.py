@@ -90,12 +90,12 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     target = decide(category, compute, strong)
     why = ""
     if category is Category.FLOAT8:
-        if target is not None and policy.fp8 is not None and len(floats) == len(invals) == 2:
+        if target is not None and policy.float8 is not None and len(floats) == len(invals) == 2:
             why = _float8_scope(eqn, ctx, policy)
             if not why.startswith(_ACTIVATIONS):
                 out = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
                 return float8(eqn, invals, ctx, scope, policy, out, why)
-        # no fp8 recipe, nothing to cast (float64 inputs), or two activations: an ordinary lower_precision op
+        # no float8 recipe, nothing to cast (float64 inputs), or two activations: an ordinary lower_precision op
         category = Category.LOWER_PRECISION
     rule = category.value
     if target not in (None, compute) and prim.name in ctx.rules.jax_epilogue:
@@ -179,7 +179,7 @@ _ACTIVATIONS = "activation x activation"
 def _float8_scope(eqn: JaxprEqn, ctx: Context, policy: Policy) -> str:
     """Why a float8-category op runs in float8 or not (the float8 scope rule, ``_weights``), for explain:
     ``"weight operand (rhs: input 1)"``, ``"activations=True"`` or ``"activation x activation (...)"``."""
-    if policy.fp8.activations:
+    if policy.float8.activations:
         return "activations=True"
     frame = ctx.frames[-1] if ctx.frames else None
     for side, var in reversed(list(zip(("lhs", "rhs"), eqn.invars, strict=False))):

@@ -14,6 +14,7 @@ from fmp._autocast._engine._context import REGION_SCOPE
 from fmp._autocast._float8_checks import check_key, check_state, claim
 from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN
 from fmp._autocast._transform import configure, make_context, rewrite_top, run_top
+from fmp._core._renamed import NOT_GIVEN, renamed_argument
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
@@ -33,8 +34,9 @@ def autocast(
     rules: RuleSet | None = None,
     enabled: bool = True,
     overrides: Mapping[str, Any] | None = None,
-    fp8_state: Float8State | None = None,
+    float8_state: Float8State | None = None,
     key: jax.Array | None = None,
+    fp8_state: Any = NOT_GIVEN,
 ) -> Any:
     """Runs ``fn`` under a mixed-precision policy, op by op, like ``torch.autocast``.
 
@@ -74,13 +76,14 @@ def autocast(
         (``"model.py:12"``, ``"src/model.py:12:8"``: a path's tail, a line, a column) selects the ops of
         that line instead, before any scope key (what `fmp.explain` suggests for an op outside any scope).
         An override to ``"mixed_bfloat16"`` keeps a layer out of float8.
-      fp8_state: For a policy with ``fp8="delayed"``: the ``fmp.Float8State``
+      float8_state: For a policy with ``float8="delayed"``: the ``fmp.Float8State``
         the scales come from (see `fmp.float8_state`). Differentiate with
         respect to it to get the next state's amax history. One state feeds one call.
       key: A ``jax.random`` key for stochastic rounding: under ``"mixed_nvfp4"`` (an ``nvfp4`` recipe) the
         gradients of every NVFP4 matmul are rounded stochastically from it (each matmul folds in its own
         number), so the same key replays the same bits; pass a new key each step. Without it they round
         to nearest.
+      fp8_state: Deprecated name of ``float8_state`` (warns; removed in the next release).
 
     Returns:
       A function with ``fn``'s signature.
@@ -89,7 +92,7 @@ def autocast(
       UserWarning: a ``key`` under a policy with no NVFP4 recipe (nothing rounds stochastically); the
         policy changes nothing in ``fn`` (it computes no float16, bfloat16 or float32
         value: a float64 model, an integer-only function), or an ``overrides`` key matches no scope;
-        a delayed float8 policy without ``fp8_state`` (it runs current scaling), or float8 matmuls in a
+        a delayed float8 policy without ``float8_state`` (it runs current scaling), or float8 matmuls in a
         ``while_loop`` or custom-derivative body under delayed scaling (they run current scaling).
 
     Raises:
@@ -97,7 +100,7 @@ def autocast(
         ``with fmp.autocast("mixed_bfloat16"):``, says to write ``fmp.autocast(fn, policy)``, or
         ``fmp.torch.autocast`` for the context-manager form), or ``rules``/``overrides`` have the wrong
         type; an argument is another framework's array (a torch tensor), which autocast cannot see.
-      ValueError: an unknown policy spec; a banned op under a float16 policy; an ``fp8_state`` under a
+      ValueError: an unknown policy spec; a banned op under a float16 policy; a ``float8_state`` under a
         policy without delayed scaling, with another history length, built for another function (other
         float8 sites), or already used by another call in the same differentiated function.
 
@@ -111,9 +114,10 @@ def autocast(
       >>> g(jnp.ones((2, 2))).dtype
       dtype(bfloat16)
     """
+    float8_state = renamed_argument(float8_state, fp8_state, "autocast(fp8_state=...)", "autocast(float8_state=...)")
     if fn is None:
         return functools.partial(
-            autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides, fp8_state=fp8_state,
+            autocast, policy=policy, rules=rules, enabled=enabled, overrides=overrides, float8_state=float8_state,
             key=key,
         )  # fmt: skip
     if isinstance(fn, str | Policy):
@@ -128,7 +132,7 @@ def autocast(
     config = configure(policy, rules, overrides)
     label = policy if isinstance(policy, str) else str(config.policy)
     if enabled:
-        check_state(fp8_state, config.policy, config.overrides, label)
+        check_state(float8_state, config.policy, config.overrides, label)
         check_key(key, config.policy, config.overrides)
 
     @functools.wraps(fn)
@@ -138,9 +142,9 @@ def autocast(
                 return fn(*args, **kwargs)
         check_args(args, kwargs)
         sites = None
-        if fp8_state is not None:
-            claim(fp8_state)
-            sites = SiteFeeder(fp8_state)
+        if float8_state is not None:
+            claim(float8_state)
+            sites = SiteFeeder(float8_state)
         ctx = make_context(config, fp8_sites=sites, key=key)
         graph = graph_nodes(args, kwargs)
         if graph is not None:
@@ -160,7 +164,7 @@ def autocast(
 
 def float8_state(
     fn: Callable[..., Any],
-    policy: str | Policy = "p=f32,c=bf16,o=f32,fp8=delayed",
+    policy: str | Policy = "p=f32,c=bf16,o=f32,float8=delayed",
     *,
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -182,14 +186,14 @@ def float8_state(
       ((2, 3, 16), 'delayed')
     """
     config = configure(policy, rules, overrides)
-    if config.policy.fp8 is None or config.policy.fp8.scaling != "delayed":
-        raise ValueError(f"float8_state needs a policy with fp8=delayed, got {str(config.policy)!r}")
+    if config.policy.float8 is None or config.policy.float8.scaling != "delayed":
+        raise ValueError(f"float8_state needs a policy with float8=delayed, got {str(config.policy)!r}")
 
     def build(*args: Any, **kwargs: Any) -> Float8State:
         closed, _, _ = trace(fn, args, kwargs)
         sites = SiteFeeder(None)
         rewrite_top(closed, make_context(config, fp8_sites=sites))
-        return Float8State.zeros(sites.labels, config.policy.fp8)
+        return Float8State.zeros(sites.labels, config.policy.float8)
 
     return build
 

@@ -21,7 +21,7 @@ class Category(str, enum.Enum):
       autocast); the error names the safe alternative.
     * ``UNLISTED``: the op runs in the dtypes it is given.
     * ``FLOAT8``: a matmul or convolution that runs in float8 under a policy with
-      an ``fp8`` recipe (``"mixed_float8"``) and exactly as ``LOWER_PRECISION``
+      a ``float8`` recipe (``"mixed_float8"``) and exactly as ``LOWER_PRECISION``
       under any other policy.
 
     float64 values, integers and booleans are never cast by any category.
@@ -353,7 +353,7 @@ DEFAULT_RULES = RuleSet(
 """The rule table fmp ships and uses by default: one `RuleSet` for both frameworks.
 
 Its JAX table says which primitives run in the compute dtype (``float8``: ``dot_general`` and convolutions,
-which run in float8 under a policy with an fp8 recipe and in the compute dtype otherwise), which in float32
+which run in float8 under a policy with a float8 recipe and in the compute dtype otherwise), which in float32
 (exponentials, logarithms, powers, reductions, linear algebra, FFT) and which in their widest input; its torch
 tables are torch's CPU and CUDA autocast op lists, the union over torch 2.13, 2.14 and 2.15 (an op only some of
 them register, as ``aten::qr`` up to 2.13, is listed for all; no graph of another release holds it).

@@ -24,7 +24,7 @@ types it is given.
 
 JAX_LOWER_PRECISION = ("ragged_dot_general",)
 
-# lower_precision ops that run in float8 under a policy with an fp8 recipe (lower_precision otherwise)
+# lower_precision ops that run in float8 under a policy with a float8 recipe (lower_precision otherwise)
 JAX_FLOAT8 = (
     "conv_general_dilated",
     "dot_general",

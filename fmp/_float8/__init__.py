@@ -2,7 +2,7 @@
 
 Readable alone: imports only JAX, ``fmp._core`` and ``fmp._flax_serialization`` (a hook with no fmp
 imports). The autocast interpreter calls ``fmp._float8._bind.bind_float8`` for equations in the rule table's
-``float8`` category under a policy with an fp8 recipe.
+``float8`` category under a policy with a float8 recipe.
 """
 
 from fmp._float8._recipe import Float8Recipe as Float8Recipe

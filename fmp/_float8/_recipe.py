@@ -134,7 +134,7 @@ class Float8Recipe:
       >>> fmp.Float8Recipe("tensorwise").activations
       False
       >>> str(fmp.get_policy("mixed_float8"))
-      'params=float32,compute=bfloat16,output=float32,fp8=tensorwise'
+      'params=float32,compute=bfloat16,output=float32,float8=tensorwise'
     """
 
     scaling: str = "tensorwise"
@@ -230,6 +230,6 @@ def as_recipe(value: object) -> Float8Recipe | None:
     if isinstance(value, str):
         return Float8Recipe(value)
     raise TypeError(
-        f"Policy fp8 must be None, a scaling name ('tensorwise', 'rowwise', ...) or an fmp.Float8Recipe, "
+        f"Policy float8 must be None, a scaling name ('tensorwise', 'rowwise', ...) or an fmp.Float8Recipe, "
         f"got {type(value).__name__}"
     )

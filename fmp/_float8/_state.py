@@ -38,7 +38,7 @@ class Float8State:
     sites have one row per iteration (``name[0]``, ``name[1]``, ...: per layer of
     a layer-scanned model), numbered as the unrolled loop would number them.
     ``sites`` names them (primitive and name scope). Build it with
-    ``fmp.float8_state``, pass it to ``fmp.autocast(..., fp8_state=state)``
+    ``fmp.float8_state``, pass it to ``fmp.autocast(..., float8_state=state)``
     inside the loss (one call per state), differentiate the loss with respect
     to it, and call ``update`` (or ``fmp.optax.float8_step``) with that gradient.
 
@@ -153,12 +153,12 @@ class SiteFeeder:
         n = len(self.expected)
         if i >= n:
             raise ValueError(
-                f"fp8_state has {n} float8 sites but the function runs more float8 matmuls (site {i}: {label}). "
+                f"float8_state has {n} float8 sites but the function runs more float8 matmuls (site {i}: {label}). "
                 "Build the state from the same function and arguments with fmp.float8_state."
             )
         if self.expected[i] != label:
             raise ValueError(
-                f"fp8_state belongs to another function: its site {i} is {self.expected[i]!r}, this function's "
+                f"float8_state belongs to another function: its site {i} is {self.expected[i]!r}, this function's "
                 f"is {label!r}. Build the state from the same function and arguments with fmp.float8_state."
             )
 
@@ -166,7 +166,7 @@ class SiteFeeder:
         """Raises if the function ran fewer float8 sites than the state has."""
         if self.expected is not None and len(self.labels) < len(self.expected):
             raise ValueError(
-                f"fp8_state has {len(self.expected)} float8 sites but the function runs {len(self.labels)} "
+                f"float8_state has {len(self.expected)} float8 sites but the function runs {len(self.labels)} "
                 f"(the first without a match: {self.expected[len(self.labels)]!r}). Build the state from the same "
                 "function and arguments with fmp.float8_state."
             )

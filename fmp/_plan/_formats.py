@@ -46,7 +46,7 @@ class Format:
 def _float8(scaling: str) -> Format:
     name = "float8" if scaling == "tensorwise" else f"float8_{scaling}"
     spec = (
-        "mixed_float8" if scaling == "tensorwise" else f"params=float32,compute=bfloat16,output=float32,fp8={scaling}"
+        "mixed_float8" if scaling == "tensorwise" else f"params=float32,compute=bfloat16,output=float32,float8={scaling}"
     )
     return Format(name, spec, "float8", 8, UNIT_ROUNDOFF["float8_e4m3fn"], scaling)
 

@@ -101,7 +101,7 @@ def test_get_policy_returns_policy_unchanged():
         ("", "empty"),
         ("   ", "empty"),
         ("mixed_float4", "'mixed_float4'"),
-        ("fp8=sixbit", "'sixbit'"),
+        ("float8=sixbit", "'sixbit'"),
         ("p=f33", "'f33'"),
         ("x=f32", "'x'"),
         ("p:f32", "'p:f32'"),

@@ -52,6 +52,6 @@ def test_the_snippet_prints_what_the_pages_say():
     with jax.numpy_dtype_promotion("standard"):
         plain = err(ns["fmp"].autocast(model.apply, "mixed_bfloat16")(params, x))
         fixed = err(ns["train_apply"](params, x))
-        fp8 = ns["fp8_apply"](params, x)
+        fp8 = ns["float8_apply"](params, x)
     assert fixed < plain / 4, (fixed, plain)
     assert fp8.shape == x.shape and bool(jnp.all(jnp.isfinite(fp8)))

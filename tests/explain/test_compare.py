@@ -241,7 +241,7 @@ def test_statistics_agree_in_numpy_and_compiled():
 def test_compare_with_a_delayed_float8_state_is_refused_naming_the_way_out():
     f = lambda x, w: jnp.tanh(x @ w).sum()  # noqa: E731
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
-    policy = "p=f32,c=bf16,o=f32,fp8=delayed"
+    policy = "p=f32,c=bf16,o=f32,float8=delayed"
     state = fmp.float8_state(f, policy)(x, w)
-    with pytest.raises(NotImplementedError, match="does not take fp8_state yet: compare without it"):
-        fmp.explain(f, policy, compare=True, fp8_state=state)(x, w)
+    with pytest.raises(NotImplementedError, match="does not take float8_state yet: compare without it"):
+        fmp.explain(f, policy, compare=True, float8_state=state)(x, w)

@@ -173,8 +173,8 @@ def test_gradient_is_quantised_to_e5m2_not_e4m3():
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise", "delayed", "mx"])
 def test_power_of_two_scales_by_default(scaling):
     assert fmp.Float8Recipe(scaling).pow2_scales is True
-    assert fmp.get_policy(f"p=f32,c=bf16,o=f32,fp8={scaling}").fp8.pow2_scales is True
-    assert fmp.get_policy("mixed_float8").fp8.pow2_scales is True
+    assert fmp.get_policy(f"p=f32,c=bf16,o=f32,float8={scaling}").float8.pow2_scales is True
+    assert fmp.get_policy("mixed_float8").float8.pow2_scales is True
     assert fmp.Float8Recipe(scaling, pow2_scales=False).pow2_scales is False
     with pytest.raises(ValueError, match="pow2_scales"):
         fmp.Float8Recipe(scaling, pow2_scales=1)

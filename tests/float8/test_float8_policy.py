@@ -46,7 +46,7 @@ def mlp_by_hand(p, x, scaling):
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
 def test_policy_equals_hand_written_float8_program(scaling):
     p, x = _params()
-    pol = fmp.Policy("f32", "bf16", "f32", fp8=scaling)
+    pol = fmp.Policy("f32", "bf16", "f32", float8=scaling)
     loss = lambda f: lambda p, x: jnp.sum(f(p, x) ** 2)  # noqa: E731
     got = jax.jit(jax.value_and_grad(loss(fmp.autocast(mlp, pol))), compiler_options=EXACT)(p, x)
     want = jax.jit(jax.value_and_grad(loss(lambda p, x: mlp_by_hand(p, x, scaling))), compiler_options=EXACT)(p, x)
@@ -59,20 +59,20 @@ def test_policy_equals_hand_written_float8_program(scaling):
 
 def test_mixed_float8_is_the_tensorwise_policy_and_round_trips():
     pol = fmp.get_policy("mixed_float8")
-    assert pol.fp8 == fmp.Float8Recipe("tensorwise") and pol.compute_dtype == jnp.bfloat16
+    assert pol.float8 == fmp.Float8Recipe("tensorwise") and pol.compute_dtype == jnp.bfloat16
     assert fmp.get_policy(str(pol)) == pol
-    assert fmp.get_policy("p=f32,c=bf16,o=f32,fp8=blockwise").fp8.scaling == "blockwise"
-    with pytest.raises(ValueError, match="unknown fp8 scaling 'e3m4'"):
-        fmp.get_policy("p=f32,c=bf16,fp8=e3m4")
-    with pytest.raises(TypeError, match="Policy fp8"):
-        fmp.Policy("f32", "bf16", "f32", fp8=8)
+    assert fmp.get_policy("p=f32,c=bf16,o=f32,float8=blockwise").float8.scaling == "blockwise"
+    with pytest.raises(ValueError, match="unknown float8 scaling 'e3m4'"):
+        fmp.get_policy("p=f32,c=bf16,float8=e3m4")
+    with pytest.raises(TypeError, match="Policy float8"):
+        fmp.Policy("f32", "bf16", "f32", float8=8)
 
 
 def test_explain_reports_float8_sites_scaling_and_flop_share():
     p, x = _params()
-    rep = fmp.explain(mlp, "p=f32,c=bf16,o=f32,fp8=rowwise", overrides={"head": "mixed_bfloat16"})(p, x)
+    rep = fmp.explain(mlp, "p=f32,c=bf16,o=f32,float8=rowwise", overrides={"head": "mixed_bfloat16"})(p, x)
     dots = [r for r in rep.records if r.op == "dot_general"]
-    assert [(r.category, r.detail) for r in dots] == [("float8", "rowwise"), ("lower_precision", "")]
+    assert [(r.category, r.detail) for r in dots] == [("float8", "rowwise"), ("override", "bfloat16 by overrides, rule lower_precision")]
     assert dots[0].in_after == ("float8_e4m3fn", "float8_e4m3fn") and dots[0].out_after == ("bfloat16",)
     assert rep.summary["float8_flop_share"] == pytest.approx(dots[0].flops / (dots[0].flops + dots[1].flops))
     assert "float8:rowwise" in str(rep) and "of flops in float8" in str(rep)
@@ -140,21 +140,21 @@ def test_convolution_runs_in_float8():
 
     want = jax.lax.conv_general_dilated(qdq(x), qdq(w), (1, 1), "SAME", precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want.astype(BF16).astype(F32)), rtol=1e-2, atol=1e-2)
-    g = jax.grad(lambda w: jnp.sum(fmp.autocast(conv, fmp.Policy("f32", "bf16", "f32", fp8=r))(x, w)))(w)
+    g = jax.grad(lambda w: jnp.sum(fmp.autocast(conv, fmp.Policy("f32", "bf16", "f32", float8=r))(x, w)))(w)
     assert g.dtype == F32 and np.isfinite(np.asarray(g)).all()
-    rep = fmp.explain(conv, "p=f32,c=bf16,o=f32,fp8=rowwise")(x, w)
+    rep = fmp.explain(conv, "p=f32,c=bf16,o=f32,float8=rowwise")(x, w)
     assert [r.detail for r in rep.records if r.category == "float8"] == ["tensorwise (conv)"]
 
 
 def test_delayed_scaling_train_step_updates_state_inside_jit():
     p, x = _params()
-    pol = "p=f32,c=bf16,o=f32,fp8=delayed"
+    pol = "p=f32,c=bf16,o=f32,float8=delayed"
     st = fmp.float8_state(mlp, pol)(p, x)
     assert st.amax_history.shape == (2, 3, 16) and st.sites[1].endswith("head")
     opt = optax.sgd(1e-2)  # (adam's bias correction mixes int32 and float: not strict-promotion clean)
 
     def loss(p, st):
-        return jnp.mean(fmp.autocast(mlp, pol, fp8_state=st)(p, x) ** 2)
+        return jnp.mean(fmp.autocast(mlp, pol, float8_state=st)(p, x) ** 2)
 
     @jax.jit
     def step(p, opt_state, st):
@@ -174,7 +174,7 @@ def test_delayed_scaling_train_step_updates_state_inside_jit():
     assert float(st2.amax_history[0, 1, 0]) == float(jnp.max(jnp.abs(p1["w1"])))
     assert np.isfinite(float(l1)) and step._cache_size() == 1  # no retrace from the state
     with pytest.raises(TypeError, match="Float8State"):
-        fmp.autocast(mlp, pol, fp8_state=np.zeros(3))
+        fmp.autocast(mlp, pol, float8_state=np.zeros(3))
 
 
 def test_float8_guide_examples_run(capsys):
@@ -203,7 +203,7 @@ def test_float8_guide_examples_run(capsys):
 
 def test_explain_labels_delayed_sites_only_with_a_state():
     p, x = _params()
-    pol = "p=f32,c=bf16,o=f32,fp8=delayed"
+    pol = "p=f32,c=bf16,o=f32,float8=delayed"
 
     def net(p, x):
         h = jax.jit(lambda x, w: x @ w)(x, p["w1"])  # an inner jit's matmul has its own row
@@ -211,7 +211,7 @@ def test_explain_labels_delayed_sites_only_with_a_state():
 
     st = fmp.float8_state(net)(p, x)
     assert st.amax_history.shape[0] == 2
-    rep = fmp.explain(net, pol, fp8_state=st)(p, x)
+    rep = fmp.explain(net, pol, float8_state=st)(p, x)
     assert [r.detail for r in rep.records if r.category == "float8"] == ["delayed", "delayed"]
     rep = fmp.explain(net, pol)(p, x)  # without the state, autocast would run current scaling
     assert [r.detail for r in rep.records if r.category == "float8"] == ["tensorwise (no state)"] * 2

@@ -100,9 +100,9 @@ def test_delayed_scaling_gemm_form_equals_emulation_and_records_the_same_history
     x, w = _operands()
 
     def train(emulate):
-        pol = fmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=fmp.Float8Recipe("delayed", emulate=emulate))
+        pol = fmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32, float8=fmp.Float8Recipe("delayed", emulate=emulate))
         mm = lambda w, x: x @ w  # noqa: E731
-        loss = lambda w, state, x: jnp.mean(fmp.autocast(mm, pol, fp8_state=state)(w, x) ** 2)  # noqa: E731
+        loss = lambda w, state, x: jnp.mean(fmp.autocast(mm, pol, float8_state=state)(w, x) ** 2)  # noqa: E731
         state = fmp.float8_state(mm, pol)(w, x)
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         outs = []

@@ -98,9 +98,9 @@ def _mlp_params():
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
 def test_presets_name_the_format(fmt):
     policy = fmp.get_policy(f"mixed_{fmt}")
-    assert policy.fp8 == fmp.Float8Recipe(fmt) and policy.compute_dtype == jnp.bfloat16
+    assert policy.float8 == fmp.Float8Recipe(fmt) and policy.compute_dtype == jnp.bfloat16
     assert fmp.get_policy(str(policy)) == policy
-    assert fmp.get_policy(f"p=f32,c=bf16,o=f32,fp8={fmt}") == policy
+    assert fmp.get_policy(f"p=f32,c=bf16,o=f32,float8={fmt}") == policy
     rep = fmp.explain(mlp, policy)(_mlp_params(), jnp.ones((32, 64), F32))
     rows = [r for r in rep.records if r.category == "float8"]
     assert len(rows) == 2 and {r.detail for r in rows} == {fmt}
@@ -111,7 +111,7 @@ def test_presets_name_the_format(fmt):
 def test_mx_is_mxfp8_and_runs_anywhere():
     assert fmp.Float8Recipe("mx") == fmp.Float8Recipe("mxfp8") and fmp.Float8Recipe("mx").grad_dtype == "float8_e4m3fn"
     x, w, _ = _operands()
-    out = fmp.autocast(lambda a, b: a @ b, "p=f32,c=bf16,o=f32,fp8=mx")(x, w)
+    out = fmp.autocast(lambda a, b: a @ b, "p=f32,c=bf16,o=f32,float8=mx")(x, w)
     assert out.dtype == F32 and np.isfinite(np.asarray(out)).all()
     with pytest.raises(ValueError, match="scale_rounding"):
         fmp.Float8Recipe("mxfp8", scale_rounding="nearest")

@@ -22,12 +22,12 @@ def _xw(seed=0, m=8, k=16, n=4):
 
 def _matmul(scaling, state=None):
     """``x @ w`` autocast to float8; delayed scaling with a history that has seen amax 4 (scales from it)."""
-    pol = f"p=f32,c=f32,o=f32,fp8={scaling}"
+    pol = f"p=f32,c=f32,o=f32,float8={scaling}"
     if scaling != "delayed":
         return fmp.autocast(lambda x, w: x @ w, pol)
     st = fmp.float8_state(lambda x, w: x @ w, pol)(*_xw())
     st = st.update(type(st)(jnp.full_like(st.amax_history, 4.0), st.sites, st.recipe))
-    return fmp.autocast(lambda x, w: x @ w, pol, fp8_state=st)
+    return fmp.autocast(lambda x, w: x @ w, pol, float8_state=st)
 
 
 def _forward_and_vjp(f):
@@ -90,7 +90,7 @@ def test_loss_scaler_sees_an_overflow_float8_would_saturate():
     p = {"w1": jax.random.normal(k1, (32, 64), F32) / 6, "w2": jax.random.normal(k2, (64, 8), F32) / 8}
 
     def loss(p, x):
-        y = fmp.autocast(lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"], "p=f32,c=f16,o=f32,fp8=tensorwise")(p, x)
+        y = fmp.autocast(lambda p, x: jax.nn.relu(x @ p["w1"]) @ p["w2"], "p=f32,c=f16,o=f32,float8=tensorwise")(p, x)
         return jnp.mean(y**2)
 
     step = jax.jit(lambda scaler, p, x: fmp.value_and_grad(loss, scaler)(p, x))

@@ -44,7 +44,7 @@ def test_grad_dtype_reaches_convolutions_and_delayed_scaling():
     conv = lambda a, b: jax.lax.conv(a, b, (1, 1), "SAME")  # noqa: E731
     grads = {}
     for gd in ("float8_e5m2", "float8_e4m3fn"):
-        policy = fmp.Policy("f32", "bf16", "f32", fp8=fmp.Float8Recipe(grad_dtype=gd))
+        policy = fmp.Policy("f32", "bf16", "f32", float8=fmp.Float8Recipe(grad_dtype=gd))
         grads[gd] = jax.grad(lambda a, b, p=policy: jnp.sum(fmp.autocast(conv, p)(a, b) ** 2))(x, w)
     assert not np.array_equal(np.asarray(grads["float8_e5m2"]), np.asarray(grads["float8_e4m3fn"]))
     st = fmp.Float8State.zeros(["a"], fmp.Float8Recipe("delayed", history_len=2, grad_dtype="float8_e4m3fn"))
@@ -122,9 +122,9 @@ def _torchao_linear(name, x, w, g, dtype):
 def _fmp_linear(recipe, x, w, g, dtype):
     """fmp's float8 ``x @ w.T`` through autocast: float32 inputs and results, or bfloat16 ones."""
     if dtype == "float32":
-        policy = fmp.Policy("f32", "bf16", "f32", fp8=dataclasses.replace(recipe, output="float32"))
+        policy = fmp.Policy("f32", "bf16", "f32", float8=dataclasses.replace(recipe, output="float32"))
     else:
-        policy = fmp.Policy("bf16", "bf16", "bf16", fp8=recipe)
+        policy = fmp.Policy("bf16", "bf16", "bf16", float8=recipe)
     args = (jnp.asarray(x, dtype), jnp.asarray(w, dtype))
     y, vjp = jax.vjp(fmp.autocast(lambda a, b: a @ b.T, policy), *args)
     dx, dw = vjp(jnp.asarray(g, dtype))

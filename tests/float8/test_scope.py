@@ -59,7 +59,7 @@ def test_attention_products_stay_bfloat16_and_projections_are_float8():
 
 def test_activations_true_puts_every_matmul_in_float8():
     x, w = _weights()
-    pol = fmp.Policy("f32", "bf16", "f32", fp8=fmp.Float8Recipe("tensorwise", activations=True))
+    pol = fmp.Policy("f32", "bf16", "f32", float8=fmp.Float8Recipe("tensorwise", activations=True))
     rows = _dots(fmp.explain(attention, pol)(x, w))
     assert rows == [("float8", "activations=True")] * 5
 
@@ -94,7 +94,7 @@ def test_scan_over_stacked_weights_is_float8_in_the_body():
 
     rows = _dots(fmp.explain(f, "mixed_float8")(x, stacked))
     assert rows == [("float8", "weight operand"), ("lower_precision", "activation x activation")]
-    st = fmp.float8_state(f, "p=f32,c=bf16,o=f32,fp8=delayed")(x, stacked)
+    st = fmp.float8_state(f, "p=f32,c=bf16,o=f32,float8=delayed")(x, stacked)
     assert st.amax_history.shape[0] == 3  # one weight site per layer, none for y y^T
 
 

@@ -12,7 +12,7 @@ import fmp
 
 F32 = jnp.float32
 RECIPE = fmp.Float8Recipe("delayed", history_len=4, pow2_scales=False)  # exact scales: history changes results
-POL = fmp.Policy("f32", "bf16", "f32", fp8=RECIPE)
+POL = fmp.Policy("f32", "bf16", "f32", float8=RECIPE)
 L, D = 3, 16
 
 
@@ -39,7 +39,7 @@ def unrolled(ws, x):
 
 def _train(f, ws, x, st, steps=5):
     def loss(ws, st):
-        return jnp.mean(fmp.autocast(f, POL, fp8_state=st)(ws, x) ** 2)
+        return jnp.mean(fmp.autocast(f, POL, float8_state=st)(ws, x) ** 2)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     for _ in range(steps):
@@ -61,7 +61,7 @@ def test_scanned_layers_train_bit_for_bit_like_unrolled_layers():
     assert float(jnp.min(st_scan.amax_history)) > 0  # every layer, operand and step recorded
     # and the history is used: current scaling trains to other weights
     ws_now = ws
-    grad = jax.jit(jax.grad(lambda w: jnp.mean(fmp.autocast(scanned, "p=f32,c=bf16,o=f32,fp8=tensorwise")(w, x) ** 2)))
+    grad = jax.jit(jax.grad(lambda w: jnp.mean(fmp.autocast(scanned, "p=f32,c=bf16,o=f32,float8=tensorwise")(w, x) ** 2)))
     for _ in range(5):
         ws_now = ws_now - 0.5 * grad(ws_now)
     assert not np.array_equal(np.asarray(ws_now), np.asarray(ws_scan))
@@ -86,7 +86,7 @@ def test_linen_nn_scan_layers_get_one_history_each():
     params = net.init(jax.random.key(2), x)
     st = fmp.float8_state(net.apply, POL)(params, x)
     assert st.amax_history.shape[0] == L and all(s.endswith(f"[{i}]") for i, s in enumerate(st.sites))
-    gs = jax.grad(lambda st: jnp.sum(fmp.autocast(net.apply, POL, fp8_state=st)(params, x)))(st)
+    gs = jax.grad(lambda st: jnp.sum(fmp.autocast(net.apply, POL, float8_state=st)(params, x)))(st)
     kernels = params["params"]["blocks"]["Dense_0"]["kernel"]
     for i in range(L):
         assert float(gs.amax_history[i, 1, 0]) == float(jnp.max(jnp.abs(kernels[i])))
@@ -107,9 +107,9 @@ def test_checkpoint_jit_cond_and_einsum_sites_record_their_operands_amax():
     pred = jnp.array(True)
     st = fmp.float8_state(_net, POL)(p, x, pred)
     assert len(st.sites) == 5 and st.sites[2].endswith("[branch 0]") and st.sites[3].endswith("[branch 1]")
-    rep = fmp.explain(_net, POL, fp8_state=st)(p, x, pred)
+    rep = fmp.explain(_net, POL, float8_state=st)(p, x, pred)
     assert [r.detail for r in rep.records if r.category == "float8"] == ["delayed"] * 5
-    gs = jax.jit(jax.grad(lambda st: jnp.sum(fmp.autocast(_net, POL, fp8_state=st)(p, x, pred))))(st)
+    gs = jax.jit(jax.grad(lambda st: jnp.sum(fmp.autocast(_net, POL, float8_state=st)(p, x, pred))))(st)
     h = np.asarray(gs.amax_history[..., 0])
     w_of_row = [p[0], p[1], p[3], p[2], p[4]]  # cond branch 0 is the false branch
     for row, w in enumerate(w_of_row):
@@ -129,7 +129,7 @@ def test_while_loop_float8_sites_warn_that_they_run_current_scaling():
 
     st = fmp.Float8State.zeros([], RECIPE)
     with pytest.warns(UserWarning, match="while_loop body .* current"):
-        fmp.autocast(f, POL, fp8_state=st)(ws[0], x)
+        fmp.autocast(f, POL, float8_state=st)(ws[0], x)
 
 
 def _mm(x, w):
@@ -144,7 +144,7 @@ def _mm_other(x, w):
 
 def test_delayed_policy_without_state_warns_and_explain_does_not_say_delayed():
     ws, x = _layers()
-    with pytest.warns(UserWarning, match="no fp8_state was given"):
+    with pytest.warns(UserWarning, match="no float8_state was given"):
         fmp.autocast(_mm, POL)
     rep = fmp.explain(_mm, POL)(x, ws[0])
     assert [r.detail for r in rep.records if r.category == "float8"] == ["tensorwise (no state)"]
@@ -153,21 +153,21 @@ def test_delayed_policy_without_state_warns_and_explain_does_not_say_delayed():
 def test_state_misuse_is_refused_naming_the_fix():
     ws, x = _layers()
     st = fmp.float8_state(_mm, POL)(x, ws[0])
-    with pytest.raises(ValueError, match="needs a policy with fp8=delayed"):
-        fmp.autocast(_mm, "p=f32,c=bf16,o=f32,fp8=tensorwise", fp8_state=st)
+    with pytest.raises(ValueError, match="needs a policy with float8=delayed"):
+        fmp.autocast(_mm, "p=f32,c=bf16,o=f32,float8=tensorwise", float8_state=st)
     with pytest.raises(ValueError, match="another function.*'dot_general@proj'"):
-        fmp.autocast(_mm_other, POL, fp8_state=st)(x, ws[0])
+        fmp.autocast(_mm_other, POL, float8_state=st)(x, ws[0])
     with pytest.raises(ValueError, match="runs more float8 matmuls"):
-        fmp.autocast(lambda x, w: _mm(_mm(x, w), w), POL, fp8_state=st)(x, ws[0])
+        fmp.autocast(lambda x, w: _mm(_mm(x, w), w), POL, float8_state=st)(x, ws[0])
     two = fmp.float8_state(lambda x, w: _mm(_mm(x, w), w), POL)(x, ws[0])
     with pytest.raises(ValueError, match="has 2 float8 sites but the function runs 1"):
-        fmp.autocast(_mm, POL, fp8_state=two)(x, ws[0])
+        fmp.autocast(_mm, POL, float8_state=two)(x, ws[0])
     longer = fmp.Float8State.zeros(st.sites, fmp.Float8Recipe("delayed", history_len=8, pow2_scales=False))
     with pytest.raises(ValueError, match="8 steps of amax history .* history_len=4"):
-        fmp.autocast(_mm, POL, fp8_state=longer)
+        fmp.autocast(_mm, POL, float8_state=longer)
 
     def twice(st):
-        f = fmp.autocast(_mm, POL, fp8_state=st)
+        f = fmp.autocast(_mm, POL, float8_state=st)
         return jnp.sum(f(x, ws[0])) + jnp.sum(f(x, ws[1]))
 
     with pytest.raises(ValueError, match="already used by another autocast call"):
@@ -179,7 +179,7 @@ def test_grad_scaler_leaves_the_state_gradient_unscaled():
     st = fmp.float8_state(_mm, POL)(x, ws[0])
 
     def loss(w, st):
-        return jnp.mean(fmp.autocast(_mm, POL, fp8_state=st)(x, w) ** 2)
+        return jnp.mean(fmp.autocast(_mm, POL, float8_state=st)(x, w) ** 2)
 
     plain = jax.grad(loss, argnums=1)(ws[0], st).amax_history
     _, (_, scaled), finite, _ = fmp.value_and_grad(loss, fmp.GradScaler(init_scale=2.0**16), argnums=(0, 1))(ws[0], st)
@@ -199,20 +199,20 @@ def test_shard_map_records_the_global_amax_with_and_without_vma_checks():
         import jax, jax.numpy as jnp, numpy as np, fmp
         from jax.sharding import Mesh, PartitionSpec as P
         mesh = Mesh(np.array(jax.devices()), ("d",))
-        pol = "p=f32,c=bf16,o=f32,fp8=delayed"
+        pol = "p=f32,c=bf16,o=f32,float8=delayed"
         x = jax.random.normal(jax.random.key(0), (16, 8)) * jnp.arange(1, 17, dtype=jnp.float32)[:, None]
         w = jax.random.normal(jax.random.key(1), (8, 4))
         f = lambda x, w: x @ w
         st = fmp.float8_state(f, pol)(x, w)
         sq = lambda y: jnp.mean(y.astype(jnp.float32) ** 2)
-        want = jax.jit(jax.grad(lambda st: sq(fmp.autocast(f, pol, fp8_state=st)(x, w))))(st).amax_history
+        want = jax.jit(jax.grad(lambda st: sq(fmp.autocast(f, pol, float8_state=st)(x, w))))(st).amax_history
         assert float(want[0, 0, 0]) == float(jnp.max(jnp.abs(x)))
         for vma in (True, False):
             @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(), check_vma=vma)
             def inside(st, x):  # a replicated state inside shard_map
-                return jax.lax.pmean(sq(fmp.autocast(f, pol, fp8_state=st)(x, w)), "d")
+                return jax.lax.pmean(sq(fmp.autocast(f, pol, float8_state=st)(x, w)), "d")
             sm = lambda x, w: jax.shard_map(f, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"), check_vma=vma)(x, w)
-            outside = lambda st: sq(fmp.autocast(sm, pol, fp8_state=st)(x, w))  # shard_map inside autocast
+            outside = lambda st: sq(fmp.autocast(sm, pol, float8_state=st)(x, w))  # shard_map inside autocast
             for got in (jax.jit(jax.grad(inside))(st, x), jax.jit(jax.grad(outside))(st)):
                 np.testing.assert_array_equal(np.asarray(got.amax_history), np.asarray(want))
         print("global amax ok")

@@ -238,11 +238,11 @@ def test_composes_with_float8_step():
         return x @ w
 
     w, x = jnp.ones((4, 2), jnp.bfloat16), jnp.ones((3, 4), jnp.bfloat16)
-    policy = "p=bf16,c=bf16,o=f32,fp8=delayed"
+    policy = "p=bf16,c=bf16,o=f32,float8=delayed"
     fp8 = fmp.float8_state(f, policy)(w, x)
 
     def loss(w, fp8):
-        return fmp.autocast(f, policy, fp8_state=fp8)(w, x).astype(jnp.float32).sum()
+        return fmp.autocast(f, policy, float8_state=fp8)(w, x).astype(jnp.float32).sum()
 
     opt = optax.chain(optax.sgd(1e-3), fmp.optax.stochastic_round())
     state = opt.init(w)

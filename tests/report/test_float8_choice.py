@@ -70,7 +70,7 @@ def test_the_suggestion_applied_takes_the_head_out_of_float8_and_out_of_needs_fi
     assert set(_float8(fixed)) == {"block0", "block1", "block2"}  # the rest stays in float8
 
 
-@pytest.mark.parametrize("policy", ["mixed_float8", "p=f32,c=bf16,o=f32,fp8=rowwise"])
+@pytest.mark.parametrize("policy", ["mixed_float8", "p=f32,c=bf16,o=f32,float8=rowwise"])
 def test_alike_float8_matmuls_get_no_suggestion(policy):
     rep = fmp.explain(lm, policy, compare=True)(PARAMS, X)
     rows = _float8(rep).values()
@@ -173,9 +173,9 @@ def test_the_report_marks_float8_matmuls_too_small_for_a_gpu():
     assert rep.suggested(small_float8=True) == {"overrides": {"down": "mixed_bfloat16"}}
     with pytest.raises(ValueError, match="compare=True"):
         rep.suggested()
-    rowwise = fmp.explain(wide, "p=f32,c=bf16,o=f32,fp8=rowwise")(WIDE, x)
+    rowwise = fmp.explain(wide, "p=f32,c=bf16,o=f32,float8=rowwise")(WIDE, x)
     assert rowwise.suggested(small_float8=True) == {"overrides": {"up": "mixed_bfloat16", "down": "mixed_bfloat16"}}
-    kept = fmp.explain(wide, "p=f32,c=bf16,o=f32,fp8=rowwise", **rowwise.suggested(small_float8=True))(WIDE, x)
+    kept = fmp.explain(wide, "p=f32,c=bf16,o=f32,float8=rowwise", **rowwise.suggested(small_float8=True))(WIDE, x)
     assert _float8(kept) == {} and "float8 pays" not in str(kept)
 
 

@@ -69,7 +69,7 @@ def _train(wrapper: str, scaling: str, library: str, rank: int) -> tuple[list[fl
     if library == "fmp":
         # outputs in the compute dtype: a layer rewritten on its own hands the next one what autocast would
         policy = fmp.Policy(
-            "float32", "bfloat16", "bfloat16", fp8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}", emulate=True)
+            "float32", "bfloat16", "bfloat16", float8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}", emulate=True)
         )
         model = _shard(_rewrite(base, x0, policy, wrapper), wrapper)
         call = model

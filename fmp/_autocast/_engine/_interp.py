@@ -179,7 +179,7 @@ def _unchanged(
     """Whether rewriting ``closed`` for ``in_avals`` gives it back as written: its own input types, every
     equation a first-order one that the leaf rules keep (``ctx.keeps``), its output types as pinned; no
     override, nested region or float8 recipe (their rules read more than the types)."""
-    if ctx.keeps is None or ctx.overrides or ctx.policy.fp8 is not None or REGION_SCOPE in prefix:
+    if ctx.keeps is None or ctx.overrides or ctx.policy.float8 is not None or REGION_SCOPE in prefix:
         return False
     if list(in_avals) != list(closed.in_avals):
         return False
@@ -262,5 +262,5 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
 def _scoped_float8(ctx: Context) -> bool:
     """Whether float8 decisions look for weight operands (a recipe here or in an override, not opted into
     activation products); the bodies of a higher-order equation then learn which of their inputs are weights."""
-    recipes = [p.fp8 for p in (ctx.policy, *(pol for _, pol in ctx.overrides)) if p.fp8 is not None]
+    recipes = [p.float8 for p in (ctx.policy, *(pol for _, pol in ctx.overrides)) if p.float8 is not None]
     return bool(ctx.frames) and any(not r.activations for r in recipes)

@@ -17,6 +17,7 @@ from fmp._autocast._float8_checks import check_state
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._autocast._wrap import autocast
 from fmp._core._dtypes import INIT_SCALE
+from fmp._core._renamed import NOT_GIVEN, renamed_argument
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
 from fmp._policy import Policy
@@ -25,7 +26,7 @@ from fmp._report._records import Report
 from fmp._scaling._scaler import GradScaler
 
 _MSG_COMPARE_STATE = (
-    "fmp.explain(..., compare=True) does not take fp8_state yet: compare without it (delayed float8 sites then "
+    "fmp.explain(..., compare=True) does not take float8_state yet: compare without it (delayed float8 sites then "
     "run, and are compared as, current scaling), or call explain without compare=True to see the delayed rows."
 )
 
@@ -36,11 +37,12 @@ def explain(
     *,
     rules: RuleSet | None = None,
     overrides: Mapping[str, Any] | None = None,
-    fp8_state: Float8State | None = None,
+    float8_state: Float8State | None = None,
     compare: bool = False,
     grads: bool = False,
     argnums: int | Sequence[int] = 0,
     loss_scale: float | GradScaler | None = None,
+    fp8_state: Any = NOT_GIVEN,
 ) -> Callable[..., Report]:
     """Reports the dtype every operation of ``fn`` runs in under `fmp.autocast`.
 
@@ -99,7 +101,7 @@ def explain(
       policy: As for `fmp.autocast`.
       rules: As for `fmp.autocast`.
       overrides: As for `fmp.autocast`.
-      fp8_state: As for `fmp.autocast`: under a delayed float8 policy, the sites are
+      float8_state: As for `fmp.autocast`: under a delayed float8 policy, the sites are
         labelled ``delayed`` only with a state (without one they run, and say, ``tensorwise (no state)``).
       compare: Run the program and compare every op with the program as written.
       grads: With ``compare=True``: compare the gradients and the backward operations too
@@ -107,13 +109,14 @@ def explain(
       argnums: Which positional arguments to differentiate, as for ``jax.grad``.
       loss_scale: The scale the policy's backward runs at (a number or an `fmp.GradScaler`, whose
         current scale is used); default ``2**16`` (a new GradScaler's) for a float16 compute dtype, else 1.
+      fp8_state: Deprecated name of ``float8_state`` (warns; removed in the next release).
 
     Raises:
       TypeError: ``compare=True`` with traced arguments (call it outside ``jit``/``grad``), or a
         ``grads``, ``argnums`` or ``loss_scale`` of the wrong type.
       ValueError: ``grads=True`` without ``compare=True``, or a ``loss_scale`` that is not finite and > 0.
       NotImplementedError: ``compare=True`` on a ``shard_map`` body or a linear solve, or
-        together with ``fp8_state``.
+        together with ``float8_state``.
 
     Examples:
       >>> rep = fmp.explain(lambda x, w: jax.nn.softmax(x @ w))(jnp.ones((4, 8)), jnp.ones((8, 8)))
@@ -141,16 +144,17 @@ def explain(
       >>> rep.worst(1, grads=True)[0].category
       'backward'
     """
+    float8_state = renamed_argument(float8_state, fp8_state, "explain(fp8_state=...)", "explain(float8_state=...)")
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
     config = configure(policy, rules, overrides)
     if not isinstance(compare, bool):
         raise TypeError(f"explain(compare=...) expects True or False, got {compare!r}")
-    if compare and fp8_state is not None:
+    if compare and float8_state is not None:
         raise NotImplementedError(_MSG_COMPARE_STATE)
     argnums, scale = _grad_args(compare, grads, argnums, loss_scale, config.policy)
-    if fp8_state is not None:
-        check_state(fp8_state, config.policy, config.overrides, str(config.policy))
+    if float8_state is not None:
+        check_state(float8_state, config.policy, config.overrides, str(config.policy))
 
     traces = _cache.Traces()  # the compiled gradients of each argument signature, for repeated calls
     programs = LRU(8)  # the compiled forward comparisons of the programs seen last (``_compiled``)
@@ -159,7 +163,7 @@ def explain(
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
         closed, arrays, _ = trace(fn, args, kwargs)
-        sites = None if fp8_state is None else SiteFeeder(fp8_state)
+        sites = None if float8_state is None else SiteFeeder(float8_state)
         ctx = make_context(config, records=[], fp8_sites=sites)
         if not compare:
             rewrite_top(closed, ctx)

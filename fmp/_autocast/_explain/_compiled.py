@@ -60,7 +60,7 @@ class Program:
 def run(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, programs: LRU) -> bool:
     """Fills ``ctx.records`` from a compiled comparison of ``closed`` on ``arrays``; ``False`` where the call
     has to go op by op (``ctx`` is then as it came)."""
-    if ctx.fp8_sites is not None or ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.overrides):
+    if ctx.fp8_sites is not None or ctx.policy.float8 is not None or any(p.float8 is not None for _, p in ctx.overrides):
         return False
     if any(isinstance(x, jax.core.Tracer) for x in arrays) or _per_value(closed.jaxpr):
         return False  # traced arguments: refused op by op, with its message

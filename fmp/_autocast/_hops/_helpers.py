@@ -85,7 +85,7 @@ def _can_keep(ctx: Context) -> bool:
     # float8: delayed-scaling sites are numbered in the flat program, so every helper is inlined;
     # explain: its rows describe the inlined program (the kept calls decide the same, but a row per cast
     # and per folded literal is what a reader compares with the source)
-    fp8 = ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.overrides)
+    fp8 = ctx.policy.float8 is not None or any(p.float8 is not None for _, p in ctx.overrides)
     return KEEP_HELPERS and not fp8 and ctx.records is None and bool(ctx.frames)
 
 

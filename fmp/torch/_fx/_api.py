@@ -131,7 +131,7 @@ def autocast_fx(
         autocast casts, its inputs returned to the dtypes they have without autocast (what
         `explain_fx` suggests for an op that loses precision). A ``"float32"`` key that names a source
         location (``"model.py:12"``) runs the ops of that line as written. Under a float8 policy, a policy without
-        fp8 and with the same compute dtype (``{"lm_head": "mixed_bfloat16"}``) opts modules out of
+        float8 and with the same compute dtype (``{"lm_head": "mixed_bfloat16"}``) opts modules out of
         float8: a matmul whose weight's module path (``lm_head`` for ``lm_head.weight``) contains a key
         runs in the compute dtype.
       float8_matmul: Under a float8 policy, the kernel of each float8 matmul: ``"auto"`` (the default)
@@ -164,8 +164,8 @@ def autocast_fx(
       torch.bfloat16
       >>> gm.weight is lin.weight
       True
-      >>> fp8 = fmp.torch.autocast_fx(lin, (torch.ones(2, 4),), "mixed_float8")
-      >>> [n.name for n in fp8.graph.nodes if n.op == "call_function" and "float8" in n.name]
+      >>> float8_lin = fmp.torch.autocast_fx(lin, (torch.ones(2, 4),), "mixed_float8")
+      >>> [n.name for n in float8_lin.graph.nodes if n.op == "call_function" and "float8" in n.name]
       ['float8_linear']
       >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
       >>> fmp.torch.autocast_fx(seq, (torch.ones(2, 4),), "cpu", overrides={"1": "float32"})(torch.ones(2, 4)).dtype

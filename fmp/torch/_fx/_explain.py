@@ -22,7 +22,7 @@ from fmp.torch._fx._prepare import prepare, resolve_policy, rewrite
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
 _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
 _MSG_FLOAT8 = (
-    "explain_fx(compare=True) does not compare float8 policies yet: compare under the policy without fp8 "
+    "explain_fx(compare=True) does not compare float8 policies yet: compare under the policy without float8 "
     "(e.g. 'mixed_bfloat16'), or call explain_fx without compare=True to see the float8 rows."
 )
 

@@ -37,7 +37,7 @@ _MSG_POLICY = (
 def float8_recipe(policy: Any) -> Float8Recipe | None:
     """The float8 recipe of an fmp ``Policy`` or spec (checked runnable by the FX pass), or None."""
     if isinstance(policy, Policy | str) and not (isinstance(policy, str) and policy in TORCH_DEVICES):
-        return fx_policy(policy, "autocast_fx", float8=True).fp8
+        return fx_policy(policy, "autocast_fx", float8=True).float8
     return None
 
 
@@ -48,8 +48,8 @@ def fx_policy(policy: Policy | str, where: str, float8: bool) -> Policy:
       NotImplementedError: a recipe the FX float8 pass does not run (blockwise, delayed, mx).
     """
     pol = torch_policy(policy, where, float8)
-    if pol.fp8 is not None:
-        check_recipe(pol.fp8)
+    if pol.float8 is not None:
+        check_recipe(pol.float8)
     return pol
 
 
@@ -101,7 +101,7 @@ def resolve_policy(
 
 _MSG_OVERRIDES = (
     "autocast_fx(overrides=...) takes {{module_path_key: policy}}: 'float32' runs the module's ops as "
-    "written, in float32 (e.g. {{'attn': 'float32'}}); under a float8 policy, a policy without fp8 and the same "
+    "written, in float32 (e.g. {{'attn': 'float32'}}); under a float8 policy, a policy without float8 and the same "
     "compute dtype opts modules out of float8 (e.g. {{'lm_head': 'mixed_bfloat16'}}); got {key!r}: "
     "{value!r} under {policy!r}. {why}"
 )
@@ -121,13 +121,13 @@ def check_overrides(
         if not isinstance(key, str) or not key:
             raise TypeError(f"overrides keys must be non-empty module path strings ('lm_head'), got {key!r}")
         pol = get_policy(value)
-        if pol.fp8 is None and pol.compute_dtype.name == "float32":
+        if pol.float8 is None and pol.compute_dtype.name == "float32":
             written.append(key)
             continue
         why = ""
         if recipe is None:
             why = "The policy runs no float8 matmul, so there is nothing to opt out of."
-        elif pol.fp8 is not None:
+        elif pol.float8 is not None:
             why = "A different float8 recipe per module is not supported on the torch side."
         elif pol.compute_dtype.name != str(compute).removeprefix("torch."):
             why = "Per-module compute dtypes other than float32 are not supported on the torch side."

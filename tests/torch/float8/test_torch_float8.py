@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 import fmp  # noqa: E402
 import fmp.torch  # noqa: E402
 
-FLOAT8 = ["mixed_float8", "p=f32,c=bf16,o=f32,fp8=rowwise", fmp.get_policy("p=f32,c=f16,o=f32,fp8=delayed")]
+FLOAT8 = ["mixed_float8", "p=f32,c=bf16,o=f32,float8=rowwise", fmp.get_policy("p=f32,c=f16,o=f32,float8=delayed")]
 
 
 @pytest.mark.parametrize("policy", FLOAT8, ids=str)
@@ -26,7 +26,7 @@ def test_float8_policy_is_refused_by_every_torch_entry_but_the_fx_ones(policy):
     for name, call in calls.items():
         with pytest.raises(NotImplementedError, match=r"float8.*mixed_bfloat16.*fmp\.autocast") as info:
             call()
-        assert str(fmp.get_policy(policy).fp8) in str(info.value), name
+        assert str(fmp.get_policy(policy).float8) in str(info.value), name
         assert "autocast_fx" in str(info.value), name
 
 

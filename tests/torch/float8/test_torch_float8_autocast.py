@@ -28,7 +28,7 @@ def _mlp() -> torch.nn.Module:
 
 def _policy(scaling: str, **changes) -> fmp.Policy:
     return dataclasses.replace(
-        fmp.get_policy("mixed_float8"), fp8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}", emulate=True, **changes)
+        fmp.get_policy("mixed_float8"), float8=fmp.Float8Recipe.from_peer(f"torchao_{scaling}", emulate=True, **changes)
     )
 
 
@@ -92,7 +92,7 @@ def test_float8_guide_torch_training_loop_runs():
     namespace: dict = {}
     exec(compile(blocks[0], "docs/guides/float8.md", "exec"), namespace)  # noqa: S102
     assert namespace["losses"][-1] < namespace["losses"][0]
-    fp8_model, head_bf16 = namespace["fp8_model"], namespace["head_bf16"]
+    fp8_model, head_bf16 = namespace["float8_model"], namespace["head_bf16"]
     float8 = [n for n in fp8_model.graph.nodes if getattr(n.target, "__name__", "") == "float8_linear"]
     assert len(float8) == 2
     assert sum(getattr(n.target, "__name__", "") == "float8_linear" for n in head_bf16.graph.nodes) == 1

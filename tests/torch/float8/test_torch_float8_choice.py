@@ -25,7 +25,7 @@ class _Wide(torch.nn.Module):
 
 @pytest.mark.parametrize(
     ("policy", "small"),
-    [("mixed_float8", ["down", "lm_head"]), ("p=f32,c=bf16,o=f32,fp8=rowwise", ["up", "down", "lm_head"])],
+    [("mixed_float8", ["down", "lm_head"]), ("p=f32,c=bf16,o=f32,float8=rowwise", ["up", "down", "lm_head"])],
 )
 def test_explain_fx_marks_float8_matmuls_too_small_for_a_gpu(policy, small):
     model, x = _Wide(), torch.randn(8, 64)

@@ -16,7 +16,7 @@ import fmp.torch  # noqa: E402
 # torch 2.13's dynamo warns this for every autograd.Function it traces (a plain one too), not for ours alone
 pytestmark = pytest.mark.filterwarnings("ignore:.*autograd.function.Function'> should not be instantiated")
 
-F16 = "p=f32,c=f16,o=f16,fp8={}"  # the JAX side's policy string: float16 compute and outputs, float8 matmuls
+F16 = "p=f32,c=f16,o=f16,float8={}"  # the JAX side's policy string: float16 compute and outputs, float8 matmuls
 CASES = [(s, k) for s in ("tensorwise", "rowwise") for k in ("scaled_mm", "emulated")]
 IDS = [f"{s}-{k}" for s, k in CASES]
 
@@ -31,7 +31,7 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
 
 
-def _gm(scaling: str, kernel: str, x: torch.Tensor, policy: str = "p=f32,c=bf16,o=f32,fp8={}"):
+def _gm(scaling: str, kernel: str, x: torch.Tensor, policy: str = "p=f32,c=bf16,o=f32,float8={}"):
     return fmp.torch.autocast_fx(_mlp(), (x,), policy.format(scaling), float8_matmul=kernel)
 
 
@@ -71,7 +71,7 @@ def test_inductor_compile_equals_the_module_bit_for_bit(scaling, kernel, output)
     float32 bias gradient in its own order (the float32-output case has no bias)."""
     torch._dynamo.reset()
     x = torch.randn(8, 16) * 2
-    pol = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=fmp.Float8Recipe(scaling, output=output))
+    pol = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=fmp.Float8Recipe(scaling, output=output))
     model = _mlp() if output == "compute" else torch.nn.Sequential(*(_strip_bias(m) for m in _mlp()))
     gm = fmp.torch.autocast_fx(model, (x,), pol, float8_matmul=kernel)
     with torch._inductor.config.patch(emulate_precision_casts=True):

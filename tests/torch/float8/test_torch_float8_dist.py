@@ -46,7 +46,7 @@ def test_scales_are_per_rank():
     lin = torch.nn.Linear(32, 16, bias=False)
     x = torch.randn(8, 32)
     recipe = fmp.Float8Recipe.from_peer("torchao_tensorwise", emulate=True)  # exact scales: the amax moves every value
-    policy = fmp.Policy("float32", "bfloat16", "float32", fp8=recipe)
+    policy = fmp.Policy("float32", "bfloat16", "float32", float8=recipe)
     gm = fmp.torch.autocast_fx(lin, (x,), policy)
     halves = torch.cat([gm(x[:4]), gm(x[4:] * 3)])  # two "ranks", each scaling its own rows
     whole = gm(torch.cat([x[:4], x[4:] * 3]))  # one global amax

@@ -34,7 +34,7 @@ def _torchao(model: torch.nn.Module, name: str, e5m2_grads: bool = True, **chang
 
 
 def _fmp(model: torch.nn.Module, x: torch.Tensor, recipe: fmp.Float8Recipe) -> torch.nn.Module:
-    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=recipe)
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=recipe)
     return fmp.torch.autocast_fx(copy.deepcopy(model), (x,), policy, float8_matmul="emulated")
 
 
@@ -145,7 +145,7 @@ def test_only_matmuls_against_a_parameter_run_in_float8():
 
 @pytest.mark.parametrize("scaling", ["blockwise", "delayed", "mx"])
 def test_recipes_without_a_torch_pass_are_refused(scaling):
-    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=fmp.Float8Recipe(scaling))
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=fmp.Float8Recipe(scaling))
     with pytest.raises(NotImplementedError, match=rf"tensorwise.*rowwise.*{scaling}"):
         fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), policy)
 
@@ -212,7 +212,7 @@ def test_overrides_opt_a_module_out_of_float8_by_its_path():
 
 def test_overrides_that_ask_for_more_than_an_opt_out_are_refused_and_unused_keys_warn():
     model, x = _mlp(), torch.randn(4, 16)
-    for value in ("p=f32,c=bf16,o=f32,fp8=rowwise", "mixed_float16"):
+    for value in ("p=f32,c=bf16,o=f32,float8=rowwise", "mixed_float16"):
         with pytest.raises(NotImplementedError, match="opts modules out of float8"):
             fmp.torch.autocast_fx(model, (x,), "mixed_float8", overrides={"2": value})
     with pytest.raises(NotImplementedError, match="nothing to opt out of"):
@@ -223,7 +223,7 @@ def test_overrides_that_ask_for_more_than_an_opt_out_are_refused_and_unused_keys
 
 
 def test_explain_fx_shows_each_float8_matmul_with_its_recipe_and_the_float8_flop_share():
-    report = fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,fp8=rowwise")
+    report = fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,float8=rowwise")
     rows = [r for r in report.records if r.category == "float8"]
     assert [(r.op, r.detail, r.in_after, r.out_after) for r in rows] == [
         ("fmp::float8_linear", "rowwise, scaled_mm (aten::linear)", ("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16",))
@@ -231,7 +231,7 @@ def test_explain_fx_shows_each_float8_matmul_with_its_recipe_and_the_float8_flop
     assert [r.flops for r in rows] == [2 * 4 * 16 * 32, 2 * 4 * 32 * 8]
     assert report.summary["float8_flop_share"] == 1.0
     with pytest.raises(NotImplementedError, match="delayed"):
-        fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,fp8=delayed")
+        fmp.torch.explain_fx(_mlp(), (torch.randn(4, 16),), "p=f32,c=bf16,o=f32,float8=delayed")
 
 
 def test_a_recipe_field_the_torch_pass_does_not_read_is_refused_not_ignored():
@@ -239,10 +239,10 @@ def test_a_recipe_field_the_torch_pass_does_not_read_is_refused_not_ignored():
     class Later(fmp.Float8Recipe):
         extra: str = "default"
 
-    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=Later("tensorwise", extra="other"))
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=Later("tensorwise", extra="other"))
     with pytest.raises(NotImplementedError, match=r"extra='other'"):
         fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), policy)
-    ok = dataclasses.replace(policy, fp8=Later("tensorwise"))
+    ok = dataclasses.replace(policy, float8=Later("tensorwise"))
     assert fmp.torch.autocast_fx(torch.nn.Linear(4, 3), (torch.ones(2, 4),), ok)(torch.ones(2, 4)).isfinite().all()
 
 

@@ -83,7 +83,7 @@ def _batch(seed: int, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fmp(model: torch.nn.Module, scaling: str, **kwargs) -> torch.nn.Module:
     recipe = fmp.Float8Recipe.from_peer(f"torchao_{scaling}", emulate=True)
-    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=recipe)
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=recipe)
     return fmp.torch.autocast_fx(model, _batch(0), policy, **kwargs)
 
 

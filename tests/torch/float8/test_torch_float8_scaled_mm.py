@@ -39,7 +39,7 @@ def _torchao(model: torch.nn.Module, name: str) -> torch.nn.Module:
 
 
 def _fmp(model: torch.nn.Module, x: torch.Tensor, recipe: fmp.Float8Recipe, **kw) -> torch.fx.GraphModule:
-    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=recipe, **kw.pop("policy", {}))
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=recipe, **kw.pop("policy", {}))
     return fmp.torch.autocast_fx(copy.deepcopy(model), (x,), policy, **kw)
 
 
@@ -142,7 +142,7 @@ def test_a_float32_float8_result_is_cast_for_the_next_lower_precision_op():
     """The float8 matmul's float32 result is recorded as float32 in the graph, so the opted-out bfloat16
     layer after it gets its input cast, as under eager autocast."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 4))
-    x, policy = torch.randn(2, 16), dataclasses.replace(fmp.get_policy("mixed_float8"), fp8=PEER["tensorwise"])
+    x, policy = torch.randn(2, 16), dataclasses.replace(fmp.get_policy("mixed_float8"), float8=PEER["tensorwise"])
     for kernel in ("scaled_mm", "emulated"):
         gm = fmp.torch.autocast_fx(model, (x,), policy, overrides={"1": "mixed_bfloat16"}, float8_matmul=kernel)
         hidden = fmp.torch.autocast_fx(model[0], (x,), policy, float8_matmul=kernel)(x)
@@ -155,7 +155,7 @@ def test_a_float32_float8_result_is_cast_for_the_next_lower_precision_op():
 def test_explain_rows_show_scaling_and_kernel():
     x = torch.randn(4, 16)
     for kernel in ("auto", "emulated"):
-        report = fmp.torch.explain_fx(_mlp(), (x,), "p=f32,c=bf16,o=f32,fp8=rowwise", float8_matmul=kernel)
+        report = fmp.torch.explain_fx(_mlp(), (x,), "p=f32,c=bf16,o=f32,float8=rowwise", float8_matmul=kernel)
         details = [r.detail for r in report.records if r.category == "float8"]
         name = "scaled_mm" if kernel == "auto" else kernel
         assert details == [f"rowwise, {name} (aten::linear)"] * 2
