@@ -62,7 +62,8 @@ def _keys(key_data: jax.Array, stochastic: bool) -> tuple[jax.Array | None, jax.
     return jax.random.fold_in(k, 1), jax.random.fold_in(k, 2)
 
 
-def _forward(a, b, scaling, grad_dtype, mode, out_dtype):
+def block_forward(a, b, scaling, grad_dtype, mode, out_dtype):
+    """The forward product of ``block_matmul`` (``a[b, m, k] @ b[b, k, n]``), without a derivative."""
     fmt, _ = _formats(scaling, grad_dtype)
     nv = scaling == "nvfp4"
     qa, qb = qdq(a, fmt, 2, mode, False), qdq(b, fmt, 1, mode, nv)
@@ -72,15 +73,21 @@ def _forward(a, b, scaling, grad_dtype, mode, out_dtype):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def block_matmul(a, b, key_data, scaling, grad_dtype, mode, out_dtype, stochastic):
     """``a[b, m, k] @ b[b, k, n]`` in a block-scaled format, result in ``out_dtype``."""
-    return _forward(a, b, scaling, grad_dtype, mode, out_dtype)
+    return block_forward(a, b, scaling, grad_dtype, mode, out_dtype)
 
 
 def _fwd(a, b, key_data, scaling, grad_dtype, mode, out_dtype, stochastic):
-    return _forward(a, b, scaling, grad_dtype, mode, out_dtype), (a, b, key_data)
+    return block_forward(a, b, scaling, grad_dtype, mode, out_dtype), (a, b, key_data)
 
 
 def _bwd(scaling, grad_dtype, mode, out_dtype, stochastic, res, g):
     a, b, key_data = res
+    da, db = block_grads(a, b, g, key_data, scaling, grad_dtype, mode, stochastic)
+    return da.astype(a.dtype), db.astype(b.dtype), None
+
+
+def block_grads(a, b, g, key_data, scaling, grad_dtype, mode, stochastic):
+    """The two gradient products of ``block_matmul`` for the output gradient ``g[b, m, n]`` (float32)."""
     fmt, gfmt = _formats(scaling, grad_dtype)
     g = g.astype(jnp.float32)
     k1, k2 = _keys(key_data, stochastic)
@@ -92,7 +99,7 @@ def _bwd(scaling, grad_dtype, mode, out_dtype, stochastic, res, g):
     else:
         da = _quant.matmul_f32(qdq(g, gfmt, 2, mode, False, k1), _swap(qdq(b, fmt, 2, mode, False)))
         db = _quant.matmul_f32(_swap(qdq(a, fmt, 1, mode, False)), qdq(g, gfmt, 1, mode, False, k2))
-    return da.astype(a.dtype), db.astype(b.dtype), None
+    return da, db
 
 
 block_matmul.defvjp(_fwd, _bwd)

@@ -19,14 +19,16 @@ import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fmp._core import _scopes
-from fmp._core._dtypes import E4M3
-from fmp._float8._recipe import Float8Recipe
+from fmp._core._dtypes import BLOCK_FORMATS, E4M3
+from fmp._float8._recipe import BLOCK_SCALINGS, Float8Recipe
+from fmp.torch._fx._block import block_linear
 from fmp.torch._fx._common import Event, ambient_autocast, float_names
 from fmp.torch._fx._scaled_mm import KERNELS, float8_linear, scaled_mm_error
 
-SUPPORTED = ("tensorwise", "rowwise")
+SUPPORTED = ("tensorwise", "rowwise", *BLOCK_SCALINGS)
 # the recipe fields the pass reads (block_size, history_len and margin only matter to other scalings)
 _READ = {"scaling", "pow2_scales", "grad_dtype", "output", "block_size", "history_len", "margin", "emulate"}
+_READ |= {"scale_rounding"}
 FLOAT8 = "fmp_float8"  # meta key of a float8 matmul node: its recipe and the op it replaced
 _aten = torch.ops.aten
 _MATMULS = (_aten.linear.default, _aten.mm.default, _aten.addmm.default, _aten.matmul.default)
@@ -149,10 +151,15 @@ def rewrite_float8(
             continue
         xv, wv = ops[0].meta["val"], attrs[weight.target]
         n = wv.shape[0] if node.target is _aten.linear.default else wv.shape[1]
-        chosen = _kernel(kernel, device, recipe.scaling, (xv.numel() // max(xv.shape[-1], 1), xv.shape[-1], n))
-        args = (*ops, recipe.scaling, recipe.pow2_scales, out, recipe.grad_dtype, chosen)
+        if recipe.scaling in BLOCK_SCALINGS:  # emulated, through the JAX side's arithmetic
+            chosen, fn = "emulated", block_linear
+            args = (*ops, recipe.scaling, out, recipe.grad_dtype, recipe.scale_rounding)
+        else:
+            mkn = (xv.numel() // max(xv.shape[-1], 1), xv.shape[-1], n)
+            chosen, fn = _kernel(kernel, device, recipe.scaling, mkn), float8_linear
+            args = (*ops, recipe.scaling, recipe.pow2_scales, out, recipe.grad_dtype, chosen)
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(float8_linear, args)
+            new = gm.graph.call_function(fn, args)
         new.meta.update(node.meta)  # its val keeps the shape the next matmul reads; apply_float8 redoes dtypes
         new.meta[FLOAT8] = f"{recipe.scaling}, {chosen} ({node.target.name().split('.')[0]})"
         node.replace_all_uses_with(new)
@@ -196,13 +203,19 @@ def float8_events(graph: torch.fx.Graph, events: list[Event]) -> list[Event]:
     """``events`` with a ``float8`` row for each float8 matmul of ``graph``, in graph order."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     rows = [
-        Event("fmp::float8_linear", "float8", n, n, _ins(n), (E4M3, E4M3), (), n.meta[FLOAT8])
+        Event("fmp::float8_linear", "float8", n, n, _ins(n), (_element(n),) * 2, (), n.meta[FLOAT8])
         for n in graph.nodes
         if FLOAT8 in n.meta
     ]
     if not rows:
         return events
     return sorted([*events, *rows], key=lambda ev: order.get(ev.node, -1))
+
+
+def _element(node: torch.fx.Node) -> str:
+    """The element dtype a float8 node quantises to (its scaling is the first word of its meta)."""
+    scaling = node.meta[FLOAT8].split(",")[0]
+    return BLOCK_FORMATS[scaling].element if scaling in BLOCK_FORMATS else E4M3
 
 
 def _ins(node: torch.fx.Node) -> tuple[str, ...]:

@@ -143,7 +143,7 @@ def test_only_matmuls_against_a_parameter_run_in_float8():
     assert gm(x).dtype == torch.float32  # the policy's output dtype
 
 
-@pytest.mark.parametrize("scaling", ["blockwise", "delayed", "mx"])
+@pytest.mark.parametrize("scaling", ["blockwise", "delayed"])
 def test_recipes_without_a_torch_pass_are_refused(scaling):
     policy = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=fmp.Float8Recipe(scaling))
     with pytest.raises(NotImplementedError, match=rf"tensorwise.*rowwise.*{scaling}"):
