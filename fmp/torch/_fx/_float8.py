@@ -21,9 +21,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from fmp._core import _scopes
 from fmp._core._dtypes import BLOCK_FORMATS, E4M3
 from fmp._float8._recipe import BLOCK_SCALINGS, Float8Recipe
-from fmp.torch._fx._block import block_linear
 from fmp.torch._fx._common import Event, ambient_autocast, float_names
-from fmp.torch._fx._scaled_mm import KERNELS, float8_linear, scaled_mm_error
+from fmp.torch._fx._scaled_mm import KERNELS, block_linear, float8_linear, scaled_mm_error
 
 SUPPORTED = ("tensorwise", "rowwise", *BLOCK_SCALINGS)
 # the recipe fields the pass reads (block_size, history_len and margin only matter to other scalings)
