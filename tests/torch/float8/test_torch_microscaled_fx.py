@@ -50,7 +50,7 @@ def test_the_operands_are_torchaos_to_mx():
     lin = torch.nn.Linear(64, 64, bias=False)
     with torch.no_grad():
         lin.weight.copy_(torch.eye(64))  # every output is one input: y is the dequantised x itself
-    policy = fmp.Policy("f32", "bf16", "f32", fp8=fmp.Float8Recipe("mxfp8", output="float32"))
+    policy = fmp.Policy("f32", "bf16", "f32", float8=fmp.Float8Recipe("mxfp8", output="float32"))
     y = fmp.torch.autocast_fx(lin, (x,), policy)(x)
     scale, data = mx.to_mx(x, torch.float8_e4m3fn, 32, config.ScaleCalculationMode.RCEIL)
     deq = data.float().reshape(16, 2, 32) * scale.float().reshape(16, 2, 1)
