@@ -6,6 +6,7 @@ outputs (and, with ``grads=True``, its gradients) within a relative error of the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from fmp._plan import _check
 from fmp._plan._plan import Plan
 from fmp._policy import Policy
 from fmp._report._records import Report
-from fmp._report._verdict import failure
+from fmp._report._verdict import GRADIENT, failure
 
 __all__ = ["assert_plan", "assert_precision"]
 
@@ -40,9 +41,11 @@ def assert_precision(
     ``fn(*args)`` as written. Fails where an op needs a fix (``Report.needs_fix``: it overflows, flips
     discrete outputs or adds an error far above its dtype's roundoff), where an output leaf is not finite,
     or where an output leaf's relative L2 error is above ``max_error``. With ``grads=True`` (``fn``
-    returns a scalar loss) each gradient leaf of the ``argnums`` arguments is bounded the same way (a leaf
-    whose exact gradient is zero, such as an attention key's bias, has no meaningful relative error: leave
-    it out of ``argnums`` or the model).
+    returns a scalar loss) each gradient leaf of the ``argnums`` arguments is bounded the same way; a leaf
+    whose reference gradient is tiny against the whole gradient (its norm below 1e-3 of the gradient's, such
+    as an attention key's bias, whose exact gradient is zero) is judged by its absolute error against the
+    gradient's norm instead, and the message says so. Under pytest a failure shows the message, not this
+    function's source or arguments.
 
     Args:
       fn: The function to check, called as ``fn(*args)``.
@@ -59,8 +62,9 @@ def assert_precision(
       The ``Report`` of ``fmp.explain(fn, policy, compare=True, grads=grads)``.
 
     Raises:
-      AssertionError: The check fails; the message opens with the verdict and names the worst op's source
-        line, its error and its suggestion, then the outputs or leaves above ``max_error``.
+      AssertionError: The check fails; the message opens with the verdict (its second line: the output's
+        error against the baseline), then the outputs above ``max_error``, a count of the gradient leaves
+        above it with the five worst, and the worst op's source line, error and suggestion.
       TypeError: An ``autocast_kwargs`` key other than ``rules`` or ``overrides``.
       ValueError: ``max_error`` is not a number >= 0.
 
@@ -77,6 +81,7 @@ def assert_precision(
         ...
       AssertionError: 1 op needs a fix (float16 unit roundoff u = 4.9e-04; ...
     """
+    __tracebackhide__ = True  # pytest shows the message, not this function's source and arguments
     unknown = sorted(set(autocast_kwargs) - set(_KWARGS))
     if unknown:
         raise TypeError(
@@ -91,12 +96,39 @@ def assert_precision(
     want = jax.tree_util.tree_leaves_with_path(fn(*args))
     got = jax.tree_util.tree_leaves(autocast(fn, policy, **autocast_kwargs)(*args))
     errors = {f"output{jax.tree_util.keystr(k)}": _relative(g, w) for (k, w), g in zip(want, got, strict=True)}
+    notes: dict[str, str] = {}
     if grads:
-        errors.update({f"gradient {k}": e.error for k, e in report.grad_errors.items()})
-    message = failure(report.records, report.policy, errors, max_error)
+        for k, e in _judged(report.grad_errors).items():
+            errors[f"{GRADIENT}{k}"], notes[f"{GRADIENT}{k}"] = e
+    message = failure(
+        report.records, report.policy, errors, max_error, notes, report.output_error, report.baseline_error
+    )
     if message:
         raise AssertionError(message)
     return report
+
+
+# a gradient leaf whose reference norm is below this fraction of the whole gradient's is tiny: its relative
+# error measures rounding noise against a value near zero, so its absolute error is set against the gradient
+TINY = 1e-3
+
+
+def _judged(grad_errors: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """Each gradient leaf's error and a note: its relative error, or, for a leaf whose reference gradient is
+    tiny against the others' (``TINY``), its absolute error over the whole gradient's norm."""
+    scale = math.sqrt(sum((e.norm or 0.0) ** 2 for e in grad_errors.values()))
+    out = {}
+    for k, e in grad_errors.items():
+        if e.norm is not None and e.diff_norm is not None and scale > 0 and e.norm < TINY * scale:
+            judged = e.diff_norm / scale
+            note = (
+                f" (tiny reference gradient: |g| = {e.norm:.1e} vs the gradient's {scale:.1e}, so judged by "
+                f"absolute error over the gradient's norm; relative error {e.error:.2g})"
+            )
+            out[k] = (judged, note)
+        else:
+            out[k] = (e.error, "")
+    return out
 
 
 def _relative(got: Any, want: Any) -> float:

@@ -35,6 +35,9 @@ class GradError:
         element but the smallest ones, whose joint L2 norm is below float16's unit roundoff (2^-11) of the
         gradient's (losing them costs less than rounding the gradient to float16 does).
       scale_max: The largest power of two at which no element overflows float16.
+      norm: L2 norm of the reference gradient.
+      diff_norm: L2 norm of the difference, ``|g - g_ref|`` (inf with non-finite values): a leaf whose
+        reference gradient is tiny against the others' is judged by it (``fmp.testing.assert_precision``).
     """
 
     error: float
@@ -45,6 +48,8 @@ class GradError:
     subnormal: float | None = None
     scale_needed: float | None = None
     scale_max: float | None = None
+    norm: float | None = None
+    diff_norm: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +103,10 @@ def grad_error(p: np.ndarray, r: np.ndarray, **extra: Any) -> GradError:
     """A gradient ``p`` against its reference ``r`` (float64 arrays, unscaled); ``extra``: the float16 range
     fields of a float16 policy."""
     error, cosine, max_abs, nonfinite = relative_error(p, r)
-    return GradError(error, cosine, max_abs, nonfinite, **extra)
+    with np.errstate(all="ignore"):
+        norm = float(np.linalg.norm(r[np.isfinite(r)]))
+        diff = float(np.linalg.norm(p - r)) if np.all(np.isfinite(p)) else math.inf
+    return GradError(error, cosine, max_abs, nonfinite, **extra, norm=norm, diff_norm=diff)
 
 
 def float16_range(r: np.ndarray, scale: float) -> tuple[float, float, float | None, float | None, float, float]:

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import re
+import textwrap
 from typing import Any
 
 from fmp._core._dtypes import LOW_PRECISION
@@ -17,7 +18,7 @@ from fmp._report._fixes import combined, localised
 from fmp._report._float8_choice import small_fixes
 from fmp._report._grads import GradReport, format_grads
 from fmp._report._text import format_table, format_worst, inherited, inherits, worst_rows
-from fmp._report._verdict import fix_rows, verdict
+from fmp._report._verdict import fix_rows, reading, verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,11 @@ class Report:
     ``compared``: the rows carry errors against the program as written
     (``fmp.explain(..., compare=True)``); the table then starts with the worst ops.
     ``grads``: the backward comparison (``grads=True``), else ``None``.
+    ``output_error``: with ``compare=True``, the relative L2 error of the outputs under the policy against the
+    program as written (a float for one floating output; for several, a dict by each output's key path).
+    ``baseline_error``: the same of the program as written run on its floating inputs and parameters rounded
+    to the policy's compute dtype: how much the model itself moves at that precision. The verdict's second
+    line reads the two.
     """
 
     records: tuple[OpRecord, ...]
@@ -159,6 +165,8 @@ class Report:
     framework: str
     compared: bool = False
     grads: GradReport | None = None
+    output_error: float | dict[str, float] | None = None
+    baseline_error: float | dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.compared:  # each fix moves its culprits and no matmul beside them
@@ -192,7 +200,10 @@ class Report:
     @property
     def verdict(self) -> str:
         """What ``str(report)`` opens with: ``no op needs a fix`` or ``N op(s) need(s) a fix``, with the unit
-        roundoff of the policy's compute dtype and the threshold an op's own error is held to.
+        roundoff of the policy's compute dtype and the threshold an op's own error is held to; then a second
+        line that reads ``output_error`` against ``baseline_error``: within 4x of the baseline, the error is
+        the model's own sensitivity at the compute dtype (what helps: float32 for the inputs, the embedding or
+        a norm); above it, the three ops that add the most error, whether or not they need a fix.
 
         Raises:
           ValueError: The report has no errors (``compare=True`` missing).
@@ -202,10 +213,19 @@ class Report:
           >>> print(rep.verdict)
           no op needs a fix (bfloat16 unit roundoff u = 3.9e-03; a fix is due where an op overflows, flips
             discrete outputs or adds an error above 4u = 1.6e-02)
+          output error 0: the policy computes the outputs exactly as the program as written
+          >>> x = jnp.linspace(-3.0, 3.0, 64).reshape(8, 8)
+          >>> print(fmp.explain(lambda x: jax.nn.softmax(x @ x.T), "mixed_bfloat16", compare=True)(x).verdict)
+          no op needs a fix (...)
+          output error 6.1e-04 vs float32; baseline 4.9e-04 (the float32 program with its inputs and
+            parameters rounded to bfloat16): below bfloat16's unit roundoff u = 3.9e-03: the rounding the
+            policy asks for
         """
         if not self.compared:
             raise ValueError("Report.verdict needs errors: call fmp.explain(fn, policy, compare=True)(*args)")
-        return verdict(self.records, self.policy)
+        second = reading(self.records, self.policy, self.output_error, self.baseline_error)
+        head = verdict(self.records, self.policy)
+        return f"{head}\n{textwrap.fill(second, 100, subsequent_indent='  ')}" if second else head
 
     def suggested(self, *, small_float8: bool = False) -> dict[str, Any]:
         """The keyword arguments (``overrides=``, ``rules=``) that apply every suggestion of ``needs_fix`` at
@@ -315,6 +335,8 @@ class Report:
             "framework": self.framework,
             "policy": self.policy,
             "compared": self.compared,
+            "output_error": self.output_error,
+            "baseline_error": self.baseline_error,
             "records": [r.to_dict() for r in self.records],
             "summary": self.summary,
             **({"grads": self.grads.to_dict()} if self.grads is not None else {}),
@@ -336,7 +358,7 @@ class Report:
         )
         if not self.compared:
             return table
-        head = verdict(self.records, self.policy)
+        head = self.verdict
         down = inherited(self.records)
         # rows folded into their culprits, and rows that changed nothing (exact), are left out of the worst ops
         own = [

@@ -121,18 +121,48 @@ def _flops(x: float) -> str:
     return f"{x:.0f}" if x else ""
 
 
-RULE_WIDTH = 32  # the rule column's cells are cut here (the row's ``detail`` and ``why`` keep the whole text)
+RULE_WIDTH = 40  # the rule column's cells are cut here (the row's ``detail`` and ``why`` keep the whole text)
 
 
 def _rule(r: OpRecord) -> str:
+    """The rule column's cell: the rule, its detail and why, cut after a word at ``RULE_WIDTH`` (``...``)."""
     text = (f"{r.category}:{r.detail}" if r.detail else r.category) + (f" [{r.why}]" if r.why else "")
-    return text if len(text) <= RULE_WIDTH else text[: RULE_WIDTH - 3] + "..."
+    if len(text) <= RULE_WIDTH:
+        return text
+    cut = text[: RULE_WIDTH - 3]
+    space = cut.rfind(" ")
+    if text[len(cut)] != " " and space > RULE_WIDTH // 2:  # a word would be cut: end before it
+        cut = cut[:space]
+    return cut.rstrip(",;:[ ") + "..."
+
+
+# what each marker of the table means: (marker, how a row's cell shows it, its line in the legend)
+_LEGEND = (
+    ("!", lambda row: row[7].endswith("!"), "! = a fix is due (row.suggestion)"),
+    (
+        "inf",
+        lambda row: any(c.startswith("inf") for c in row[7:9]),
+        "inf = not finite (in added: the op overflows by itself)",
+    ),
+    ("...", lambda row: row[2].endswith("..."), "... = the rule's text is cut (row.detail and row.why hold it)"),
+    ("small", lambda row: row[-3].endswith(" small"), "small = a float8 matmul too small to pay on a GPU"),
+)
+
+
+def legend(rows: Sequence[Sequence[str]], compared: bool) -> str:
+    """One line under the table naming each marker its cells show (``!``, ``inf``, ``...``, ``small``)."""
+    found = [
+        text
+        for marker, shows, text in _LEGEND
+        if (compared or marker in ("...", "small")) and any(shows(row) for row in rows)
+    ]
+    return ("markers: " + "; ".join(found)) if found else ""
 
 
 def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: str, compared: bool = False) -> str:
-    """Formats records as a fixed-width table followed by the summary; ``compared``: with the columns
-    ``added`` (the error the op adds by itself) and ``error`` (of its outputs), ``!`` marking a row with a
-    fix and ``inf`` an overflow."""
+    """Formats records as a fixed-width table, a line naming the markers it shows (``legend``), then the
+    summary; ``compared``: with the columns ``added`` (the error the op adds by itself) and ``error`` (of its
+    outputs), ``!`` marking a row with a fix and ``inf`` an overflow."""
     records = list(records)
     errors = ("added", "error") if compared else ()
     header = (
@@ -168,6 +198,9 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
     out = [title, line, "-" * len(line)]
     out += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    marks = legend(rows, compared)
+    if marks:
+        out.append(textwrap.fill(marks, 100, subsequent_indent="    ", break_on_hyphens=False))
     out.append("")
     share = summary.get("low_precision_flop_share", 0.0)
     islands = summary.get("float32_islands", 0)

@@ -17,7 +17,7 @@ from fmp._autocast._explain import _compiled
 
 
 def _op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_compiled, "run", lambda *args: False)
+    monkeypatch.setattr(_compiled, "run", lambda *args: None)
 
 
 def _builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -81,3 +81,10 @@ def test_backward_statistics_reach_the_host_together(monkeypatch: pytest.MonkeyP
     rep = fmp.explain(_loss, compare=True, grads=True)(*_args(0))
     assert len(rep.grad_rows) > 10
     assert fetched == [2 * len(rep.grad_rows)]  # one transfer: every row's output and added-error statistics
+
+
+def test_a_new_wrapper_of_the_same_function_reuses_the_compiled_comparison() -> None:
+    fmp.explain(_loss, "mixed_float16", compare=True)(*_args(0))
+    again, rep = _compiles(lambda: fmp.explain(_loss, "mixed_float16", compare=True)(*_args(1)))
+    assert again == 0, f"a new explain wrapper compiled {again} programs"
+    assert rep.output_error is not None

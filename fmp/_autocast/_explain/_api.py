@@ -10,9 +10,8 @@ import jax.numpy as jnp
 
 from fmp._autocast._args import trace
 from fmp._autocast._checks import check_args
-from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._rows import flops
-from fmp._autocast._explain import _cache, _compiled, _forward, _grads
+from fmp._autocast._explain import _cache, _compiled, _forward, _grads, _outputs
 from fmp._autocast._float8_checks import check_state
 from fmp._autocast._transform import configure, make_context, rewrite_top
 from fmp._autocast._wrap import autocast
@@ -77,8 +76,13 @@ def explain(
     in the branch the policy run takes. ``shard_map`` bodies and linear solves
     are not compared yet (a ``NotImplementedError`` says so). A program without
     loops, branches or float8 is compared as one compiled program, kept for the
-    next call of the same program on arguments of the same types (its roundings
-    are those of the op-by-op comparison, which every other call runs).
+    next call of the same function object (a bound method: of the same object),
+    policy, rules and overrides on arguments of the same types, through this
+    wrapper or a new one (its roundings are those of the op-by-op comparison,
+    which every other call runs). ``report.output_error`` holds the outputs'
+    relative error against the program as written and ``report.baseline_error``
+    that of the program as written on its floating inputs and constants rounded
+    to the compute dtype (see ``Report.verdict``).
 
     With ``grads=True`` as well, ``report.grad_errors`` maps each gradient leaf
     of the ``argnums`` arguments (its key path, as ``jax.tree_util.keystr``
@@ -157,18 +161,19 @@ def explain(
         check_state(float8_state, config.policy, config.overrides, str(config.policy))
 
     traces = _cache.Traces()  # the compiled gradients of each argument signature, for repeated calls
-    programs = LRU(8)  # the compiled forward comparisons of the programs seen last (``_compiled``)
     policy_fn = autocast(fn, policy, rules=rules, overrides=overrides) if grads else None
 
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")
-        closed, arrays, _ = trace(fn, args, kwargs)
+        closed, arrays, out_tree = trace(fn, args, kwargs)
         sites = None if float8_state is None else SiteFeeder(float8_state)
         ctx = make_context(config, records=[], fp8_sites=sites)
+        ends = None
         if not compare:
             rewrite_top(closed, ctx)
-        elif not _compiled.run(closed, arrays, ctx, programs):  # op by op where one program does not do
-            _forward.run(closed, arrays, ctx)
+        else:  # one compiled program, op by op where one program does not do
+            ends = _compiled.run(closed, arrays, ctx, fn)
+            ends = ends if ends is not None else _forward.run(closed, arrays, ctx)
         if sites is not None:
             sites.finish()
         records = choose(tuple(ctx.records or ()), config.rules)  # which float8 matmuls to keep in bfloat16
@@ -177,7 +182,17 @@ def explain(
             fp16 = config.policy.compute_dtype == jnp.float16
             s = scale if scale is not None else (INIT_SCALE if fp16 else 1.0)
             back = _grads.compare(fn, policy_fn, args, kwargs, argnums, s, fp16, records, config.rules, traces)
-        return Report(records, policy=str(config.policy), framework="jax", compared=compare, grads=back)
+        outputs = _outputs.split(ends) if ends is not None else ([], [])
+        errors = [_outputs.named(e, out_tree) for e in outputs] if compare else [None, None]
+        return Report(
+            records,
+            policy=str(config.policy),
+            framework="jax",
+            compared=compare,
+            grads=back,
+            output_error=errors[0],
+            baseline_error=errors[1],
+        )
 
     return run
 

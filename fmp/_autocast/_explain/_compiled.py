@@ -27,7 +27,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from fmp._autocast._checks import nested_jaxprs
 from fmp._autocast._engine._context import Context
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._explain import _forward
+from fmp._autocast._explain import _forward, _outputs
 from fmp._autocast._explain._cache import type_key
 from fmp._autocast._explain._stats import from_fetched
 from fmp._autocast._transform import run_top
@@ -54,31 +54,38 @@ class Program:
     jobs: tuple[tuple[int, Any, Any, bool], ...]
     wides: tuple[tuple[Any, ...], ...]  # per program output: the dtypes of its plain sums
     makers: dict[int, list[int]]
-    keep: tuple[Any, ...]  # the constants the key names by identity (kept alive, so no id is reused)
+    outputs: tuple[Any, ...]  # per output, then per output again: its statistics and its baseline's (_outputs)
+    keep: tuple[Any, ...]  # the function and constants the key names by identity (kept alive: no id is reused)
 
 
-def run(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, programs: LRU) -> bool:
-    """Fills ``ctx.records`` from a compiled comparison of ``closed`` on ``arrays``; ``False`` where the call
-    has to go op by op (``ctx`` is then as it came)."""
+# the compiled comparisons of the programs seen last, by every ``explain`` wrapper: a new wrapper of the same
+# function, policy, rules and overrides, called on arguments of the same types, reuses its program
+PROGRAMS = LRU(8)
+
+
+def run(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, fn: Any) -> list[Any] | None:
+    """Fills ``ctx.records`` from a compiled comparison of ``closed`` (traced from ``fn``) on ``arrays`` and
+    returns the statistics of its outputs (``_outputs.started``); ``None`` where the call has to go op by op
+    (``ctx`` is then as it came)."""
     if ctx.fp8_sites is not None or ctx.policy.float8 is not None or any(p.float8 is not None for _, p in ctx.overrides):
-        return False
+        return None
     if any(isinstance(x, jax.core.Tracer) for x in arrays) or _per_value(closed.jaxpr):
-        return False  # traced arguments: refused op by op, with its message
-    k = _key(closed, arrays)
+        return None  # traced arguments: refused op by op, with its message
+    k = _key(closed, arrays, ctx, fn)
     if k is None:
-        return False
-    program = programs.get(k)
+        return None
+    program = PROGRAMS.get(k)
     if program is None:
-        program = programs.put(k, _build(closed, arrays, ctx))
+        program = PROGRAMS.put(k, _build(closed, arrays, ctx, _owner(fn)[1]))
     fetched = jax.device_get(program.compiled(*arrays))
     values = [from_fetched(w, got) for w, got in zip(program.wides, fetched, strict=True)]
     if any(v is None for v in values):
-        return False
+        return None
     records = list(program.records)
     jobs = [(i, _value(out, values), _value(added, values), down) for i, out, added, down in program.jobs]
     fill_rows(records, jobs, program.makers, ctx.rules)
     ctx.records = records
-    return True
+    return [_value(spec, values) for spec in program.outputs]
 
 
 def _value(spec: Any, values: list[Any]) -> Any:
@@ -90,9 +97,19 @@ def _per_value(jaxpr: Jaxpr) -> bool:
     return any(eqn.primitive.name in _PER_VALUE for body, _ in nested_jaxprs(jaxpr) for eqn in body.eqns)
 
 
-def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
-    """The program's text, the arguments' types, its constants (arrays by identity: a JAX array never changes;
-    a NumPy one by its bytes too)."""
+def _owner(fn: Any) -> tuple[Hashable, Any]:
+    """What names ``fn`` in a key, and the object the key holds alive so no id is reused: a bound method by
+    its object and function (``model.apply`` makes a new method object per access), else ``fn`` itself."""
+    self, func = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
+    if self is not None and func is not None:
+        return (id(self), func), self
+    return id(fn), fn
+
+
+def _key(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, fn: Any) -> Hashable | None:
+    """The function (its rows' sources and scopes), the policy, rules and overrides, the program's text, the
+    arguments' types and its constants (arrays by identity: a JAX array never changes; a NumPy one by its
+    bytes too)."""
     if sum(getattr(c, "nbytes", 0) for c in closed.consts) > _CONST_BYTES:
         return None
     consts: list[Any] = []
@@ -107,17 +124,20 @@ def _key(closed: ClosedJaxpr, arrays: Sequence[Any]) -> Hashable | None:
             except TypeError:
                 return None
             consts.append((type(c), c))
-    return str(closed.jaxpr), tuple(type_key(x) for x in arrays), tuple(consts)
+    config = (ctx.policy, ctx.rules, ctx.overrides)
+    return _owner(fn)[0], config, str(closed.jaxpr), tuple(type_key(x) for x in arrays), tuple(consts)
 
 
-def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context) -> Program:
+def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, owner: Any) -> Program:
     made: dict[str, Any] = {}
 
     def program(*xs: Any) -> list[Any]:
         c = dataclasses.replace(ctx, records=[], memos=[])
         _forward.start(c, xs, traced=True)
-        run_top(closed, xs, c)
+        got = run_top(closed, xs, c)
         cmp = c.compare
+        base = _outputs.baseline(closed, xs, ctx.policy.compute_dtype)
+        ends = _outputs.started(got, cmp.returned or [], base)
         outs: list[Any] = []
         wides: list[tuple[Any, ...]] = []
         jobs = []
@@ -134,8 +154,11 @@ def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context) -> Program:
 
         for i, out, added, down in cmp.jobs:
             jobs.append((i, spec(out), spec(added), down))
-        made.update(records=tuple(c.records or ()), jobs=tuple(jobs), wides=tuple(wides), makers=dict(cmp.makers))
+        made.update(records=tuple(c.records or ()), jobs=tuple(jobs), makers=dict(cmp.makers))
+        made.update(outputs=tuple(spec(d) for d in ends), wides=tuple(wides))
         return outs
 
     compiled = jax.jit(program, compiler_options=_OPTIONS).lower(*arrays).compile()
-    return Program(compiled, made["records"], made["jobs"], made["wides"], made["makers"], tuple(closed.consts))
+    return Program(
+        compiled, made["records"], made["jobs"], made["wides"], made["makers"], made["outputs"], (owner, *closed.consts)
+    )

@@ -20,7 +20,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from fmp._autocast._engine._context import Context, is_scalar_constant
 from fmp._autocast._engine._interp import bind, rewrite_eqn
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._explain import _bodies
+from fmp._autocast._explain import _bodies, _outputs
 from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
 from fmp._autocast._transform import run_top
 from fmp._core._dtypes import LOW_PRECISION
@@ -214,16 +214,21 @@ def _as_written(row: Any) -> bool:
     return row.category != "float8" and row.in_after == row.in_before and row.out_after == row.out_before
 
 
-def run(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> None:
-    """Runs ``closed`` under ``ctx`` and as written, side by side; the errors land in ``ctx.records``."""
+def run(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> list[Any]:
+    """Runs ``closed`` under ``ctx`` and as written, side by side; the errors land in ``ctx.records``. Returns
+    the statistics of the outputs and of the baseline (``_outputs.started``)."""
     if any(isinstance(x, jax.core.Tracer) for x in args):
         raise TypeError(
             "fmp.explain(compare=True) runs the program to compare values; it got traced arguments. "
             "Call it outside jit/grad/vmap, on concrete arrays."
         )
     start(ctx, args)
-    run_top(closed, args, ctx)
+    got = run_top(closed, args, ctx)
+    refs = ctx.compare.returned or []
     ctx.compare.flush()
+    ends = _outputs.started(got, refs, _outputs.baseline(closed, args, ctx.policy.compute_dtype))
+    resolve(ends)
+    return [d.result() for d in ends]
 
 
 def start(ctx: Context, args: Sequence[Any], traced: bool = False) -> None:

@@ -231,8 +231,10 @@ def compare(
     rows: list[OpRecord],
     leaves: Sequence[Any],
     rules: RuleSet,
-) -> list[OpRecord]:
-    """``rows`` (one per event) with each compared op's errors and suggestion."""
+    dtype: torch.dtype,
+) -> tuple[list[OpRecord], tuple[list[Any], list[Any]]]:
+    """``rows`` (one per event) with each compared op's errors and suggestion, and per output the relative
+    error of the policy run and of the baseline at ``dtype``, the compute dtype (``_ends``)."""
     check_random(bound.graph)
     row_of = {ev.node: i for i, ev in enumerate(events) if ev.category != "cast"}
     casts = {ev.node for ev in events if ev.category == "cast"}
@@ -273,7 +275,36 @@ def compare(
             made = [r for a in b.all_input_nodes if (r := row_at(a)) is not None]
             row = _as_ran(rows[row_of[n]], n, pol.env)
             rows[row_of[n]] = fill(row, stats, added, rules, None if down else upstream, "torch", made)
-    return rows
+        ends = _ends(bound, new, ref, pol, leaves, dtype)
+    return rows, ends
+
+
+def _output(gm: torch.fx.GraphModule, runner: _Runner) -> list[Any]:
+    """The tensors a graph returns, from a run of it (run to the end here)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    runner.until(out)
+    return pytree.tree_leaves(torch.fx.node.map_arg(out.args[0], lambda n: runner.env.get(n)))
+
+
+def _rounded(x: Any, dtype: torch.dtype) -> Any:
+    """A floating tensor wider than ``dtype`` rounded to it and back; anything else as it is."""
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.element_size() > dtype.itemsize):
+        return x
+    return x.detach().to(dtype).to(x.dtype)
+
+
+def _ends(
+    bound: torch.fx.GraphModule, new: torch.fx.GraphModule, ref: _Runner, pol: _Runner, leaves: Sequence[Any], dtype
+) -> tuple[list[Any], list[Any]]:
+    """Per output: the relative error of the policy run's value, and of the baseline's (the graph as written
+    on its floating inputs and parameters rounded to ``dtype``), against the reference's."""
+    refs, outs = _output(bound, ref), _output(new, pol)
+    base = _Runner(bound, [_rounded(_clone(x), dtype) for x in leaves], regions=True)
+    fetch = base.interp.fetch_attr
+    base.interp.fetch_attr = lambda target: _rounded(fetch(target), dtype)  # parameters and buffers
+    lows = _output(bound, base)
+    errors = [output_stats(p, r)[0] for p, r in zip(outs, refs, strict=True)]
+    return errors, [output_stats(b, r)[0] for b, r in zip(lows, refs, strict=True)]
 
 
 def grad_errors(

@@ -223,7 +223,22 @@ def explain_fx(
         return Report(rows, name, "torch")
     leaves = pytree.tree_leaves(list(example_inputs))
     with _compare.kept_buffers(module):
-        compared = _compare.compare(bound, out, env, events, list(rows), leaves, rules)
+        compared, (errors, baselines) = _compare.compare(bound, out, env, events, list(rows), leaves, rules, dtype)
         grad_errors = _compare.grad_errors(module, bound, out, example_inputs) if grads else {}
     back = GradReport(errors=grad_errors, rows=(), loss_scale=1.0) if grads else None
-    return Report(tuple(compared), name, "torch", compared=True, grads=back)
+    return Report(
+        tuple(compared),
+        name,
+        "torch",
+        compared=True,
+        grads=back,
+        output_error=_named(errors),
+        baseline_error=_named(baselines),
+    )
+
+
+def _named(errors: Sequence[float | None]) -> float | dict[str, float] | None:
+    """The error of the one floating output, or each floating output's by its position (``"[1]"``)."""
+    if len(errors) == 1:
+        return errors[0]
+    return {f"[{i}]": e for i, e in enumerate(errors) if e is not None} or None

@@ -80,3 +80,12 @@ def test_an_op_moved_by_rules_reads_override(t5):
     rows = [r for r in fmp.torch.explain_fx(model, (ids,), POLICY, rules=rules).records if r.op == "aten::gelu"]
     assert rows and all(r.category == "override" and r.out_after == ("float32",) for r in rows)
     assert rows[0].detail == "float32 by rules, default unlisted"
+
+
+def test_bfloat16_states_the_output_error_against_the_baseline(t5):
+    model, ids = t5
+    rep = fmp.torch.explain_fx(model, (ids,), ("cpu", torch.bfloat16), compare=True)
+    assert 0.003 < rep.baseline_error < rep.output_error < 4 * rep.baseline_error  # the model's conditioning
+    second = " ".join(line.strip() for line in rep.verdict.splitlines()[2:])
+    assert second.startswith(f"output error {rep.output_error:.1e} vs float32; baseline {rep.baseline_error:.1e}")
+    assert "the model's own sensitivity at bfloat16" in second and str(rep).startswith(rep.verdict)
