@@ -182,3 +182,23 @@ def test_digits_mlp_trains_in_mxfp8_and_nvfp4_close_to_bfloat16():
     print(f"final loss: bfloat16 {ref:.4f}, mxfp8 {mx:.4f}, nvfp4 {nv:.4f}")
     assert ref < 0.2  # it learned
     assert mx < 1.1 * ref and nv < 1.5 * ref
+
+
+@pytest.mark.gallery  # six short trainings and a compared explain: about a minute on two CPU cores
+def test_the_example_trains_every_policy_and_names_the_layers_it_keeps():
+    import json
+    import subprocess
+    import sys
+
+    from _helpers.common import ROOT
+
+    script = ROOT / "examples" / "microscaled_training.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "5", "--no-plot", "--json"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["run"] for r in runs][:4] == ["float32", "bfloat16", "mxfp8", "nvfp4"]
+    assert all(np.isfinite(r["final"]) and r["ms_per_step"] > 0 for r in runs)
+    assert all(r["kept"] for r in runs[4:])  # a "+ keep" run only where the report kept layers
