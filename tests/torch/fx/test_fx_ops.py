@@ -148,6 +148,9 @@ def test_matrix_sqrth_matches_eager_autocast(dtype):
     _assert_bitwise(gm(a), expected)
     with fmp.torch.autocast("cpu", dtype=dtype):
         _assert_bitwise(torch.linalg.matrix_sqrth(a), expected)
+    custom = fmp.DEFAULT_RULES.derive(framework="torch", unlisted=["aten::matmul"])  # the torch-function mode
+    with fmp.torch.autocast("cpu", dtype=dtype, rules=custom):
+        _assert_bitwise(torch.linalg.matrix_sqrth(a), expected)
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=["bf16", "f16"])
