@@ -78,7 +78,7 @@ class Plan:
       ...         return jnp.mean(jnp.tanh(x @ w) ** 2)
       >>> plan = fmp.plan(loss, jnp.eye(16) / 2, jnp.linspace(-1.0, 1.0, 64).reshape(4, 16))
       >>> print(str(plan).splitlines()[0])  # doctest: +ELLIPSIS
-      precision plan (jax, h100): error ... within budget ..., predicted speedup 1.00x over bfloat16 (1 in bfloat16)
+      precision plan (jax, h100): error ... within budget ..., predicted speedup 1.00x
       >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
       >>> plan.save(path)
       >>> fmp.Plan.load(path) == plan
@@ -110,7 +110,8 @@ class Plan:
         mix = ", ".join(f"{n} in {f}" for f, n in counts.items())
         head = (
             f"precision plan ({self.framework}, {self.device['name']}): error {self.error:.2e} within budget "
-            f"{self.budget:.2e}, predicted speedup {self.predicted_speedup:.2f}x over bfloat16 ({mix})"
+            f"{self.budget:.2e}, predicted speedup {self.predicted_speedup:.2f}x\n"
+            f"over bfloat16 on the device model; sites: {mix}"
         )
         cols = ("site", "format", "gemm (M, K, N)", "error", "flops", "time (us)", "why")
         body = [
