@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from fmp._core._dtypes import UNIT_ROUNDOFF
+from fmp._core._dtypes import BLOCK_FORMATS, UNIT_ROUNDOFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +46,19 @@ class Format:
 def _float8(scaling: str) -> Format:
     name = "float8" if scaling == "tensorwise" else f"float8_{scaling}"
     spec = (
-        "mixed_float8" if scaling == "tensorwise" else f"params=float32,compute=bfloat16,output=float32,float8={scaling}"
+        "mixed_float8"
+        if scaling == "tensorwise"
+        else f"params=float32,compute=bfloat16,output=float32,float8={scaling}"
     )
     return Format(name, spec, "float8", 8, UNIT_ROUNDOFF["float8_e4m3fn"], scaling)
+
+
+def _block(name: str) -> Format:
+    """A block-scaled format (``fmp._core._dtypes.BLOCK_FORMATS``): its elements and one 8-bit scale per block;
+    torchao's size rule for finer-than-tensor scales (its rowwise boxes, ``FAMILY["mx"]``) says where it pays."""
+    f = BLOCK_FORMATS[name]
+    element_bits = 8 if f.element.startswith("float8") else 4
+    return Format(name, f"mixed_{name}", name, element_bits + 8 / f.block, 2.0 ** -(f.mbits + 1), "mx")
 
 
 # every format a plan knows, cheapest kind first; ``float8`` is tensorwise, fmp's default recipe
@@ -58,6 +68,9 @@ FORMATS: dict[str, Format] = {
         _float8("tensorwise"),
         _float8("rowwise"),
         _float8("blockwise"),
+        _block("mxfp8"),
+        _block("mxfp4"),
+        _block("nvfp4"),
         Format("bfloat16", "mixed_bfloat16", "bfloat16", 16, UNIT_ROUNDOFF["bfloat16"]),
         Format("float32", "float32", "float32", 32, UNIT_ROUNDOFF["float32"]),
     )
@@ -67,7 +80,8 @@ DEFAULT_FORMATS = ("float8", "bfloat16", "float32")
 
 _MSG_FORMATS = (
     "plan(formats=...) expects a non-empty sequence of format names from {known}, got {got!r}; "
-    "'float8' is the tensorwise recipe, 'float8_rowwise' and 'float8_blockwise' the others"
+    "'float8' is the tensorwise recipe, 'float8_rowwise' and 'float8_blockwise' the others; 'mxfp8', "
+    "'mxfp4' and 'nvfp4' are offered where the device has them (b200)"
 )
 
 

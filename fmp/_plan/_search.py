@@ -96,7 +96,7 @@ def candidates(site: Site, formats: Sequence[Format], device: Device, grads: boo
             times.append(t)
             finest = u
         else:
-            left_out.append((f.name, "slower than a more precise format"))
+            left_out.append((f.name, "no faster than a format at least as precise"))
     return Candidates(site, tuple(chain), tuple(times), tuple(left_out))
 
 

@@ -74,3 +74,15 @@ def test_bad_formats_name_the_argument(formats, err):
 def test_the_float32_format_is_priced_at_float32s_peak():
     g = (8192, 8192, 8192)
     assert gemm_time(H100, F32, g, grads=False) == pytest.approx(2 * 8192**3 / 66.9e12)
+
+
+def test_block_scaled_formats_are_offered_where_the_device_has_them():
+    fmts = formats_of(("nvfp4", "mxfp8", "float8", "bfloat16", "float32"))
+    site = Site("mlp", ((8192, 8192, 8192),))
+    b200 = candidates(site, fmts, DEVICES["b200"], True)
+    assert [f.name for f in b200.chain] == ["nvfp4", "float8", "bfloat16", "float32"]
+    assert ("mxfp8", "no faster than a format at least as precise") in b200.left_out  # its scales cost bytes
+    h100 = candidates(site, fmts, H100, True)
+    assert [f.name for f in h100.chain] == ["float8", "bfloat16", "float32"]
+    assert ("nvfp4", "h100 has no nvfp4 GEMM") in h100.left_out
+    assert FORMATS["nvfp4"].policy == "mixed_nvfp4" and FORMATS["nvfp4"].unit_roundoff == 2.0**-2

@@ -112,3 +112,12 @@ def test_a_plan_without_gradients_prices_the_forward_only(params):
     assert fwd.grad_error is None
     assert jax.tree_util.tree_structure(fwd.formats) is not None
     assert fwd.device["name"] == "b200"
+
+
+def test_block_scaled_formats_plug_in(params):
+    b200 = {**P.IDEAL, "peak": {**P.IDEAL["peak"], "mxfp8": 4500e12, "nvfp4": 9000e12}}
+    fmts = ("nvfp4", "mxfp8", "bfloat16", "float32")
+    plan = fmp.plan(P.jax_loss, params, jnp.asarray(P.batch(0)), device=b200, formats=fmts, grads=False)
+    assert plan.policy == "mixed_nvfp4"
+    assert plan.formats["head"] in ("bfloat16", "float32")  # its outlier channel: nvfp4 and mxfp8 stand out
+    assert sum(f == "nvfp4" for f in plan.formats.values()) >= len(P.ALIKE)

@@ -54,6 +54,7 @@ def plan(
       *args: Its arguments (concrete arrays: call it outside ``jit``).
       budget: The largest relative L2 error allowed (outputs, and each gradient leaf), or ``None``.
       formats: Candidate names: ``"float8"`` (tensorwise), ``"float8_rowwise"``, ``"float8_blockwise"``,
+        ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"`` (offered where the device has them: ``"b200"``),
         ``"bfloat16"``, ``"float32"``.
       grads: Measure the gradients of ``argnums`` too, and price the backward GEMMs.
       batches: More inputs to measure on: each a tuple that replaces the last arguments of ``args``
