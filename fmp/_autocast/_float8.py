@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import JaxprEqn
@@ -20,6 +21,7 @@ from fmp._core import _dtypes
 from fmp._core._dtypes import BLOCK_FORMATS
 from fmp._core._rules import Category
 from fmp._float8 import _bind as _fp8
+from fmp._float8._block_dot import block_stats
 from fmp._float8._recipe import BLOCK_SCALINGS
 from fmp._policy import Policy
 
@@ -45,7 +47,12 @@ def float8(
     outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history, key, weight_first)]
     quantised = BLOCK_FORMATS[recipe.scaling].element if block else _dtypes.E4M3
     if ctx.records is not None:
+        stats = {}
+        if block and eqn.primitive.name == "dot_general" and not any(isinstance(v, jax.core.Tracer) for v in invals):
+            flushed, saturated = block_stats(*invals, eqn.params["dimension_numbers"], recipe, weight_first)
+            stats = {"block_flushed": flushed, "block_saturated": saturated}
         ctx.record(
+            **stats,
             op=eqn.primitive.name,
             source=source_of(eqn, ctx),
             scope=scope,

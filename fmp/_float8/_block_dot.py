@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fmp._float8 import _nvfp4, _quant
 from fmp._float8._dot import canonical
@@ -136,6 +137,52 @@ def block_dot_general(
     if weight_first and recipe.scaling == "nvfp4":  # out^T = b^T @ a^T, with the weight second
         return _swap(block_matmul(_swap(b), _swap(a), key_data, *args)).reshape(oshape)
     return block_matmul(a, b, key_data, *args).reshape(oshape)
+
+
+def _block_amax(x: np.ndarray, axis: int, size: int, tiles: bool) -> np.ndarray:
+    """The largest magnitude of each block of ``x`` (``size`` along ``axis``, or 16 x 16 tiles of the last two
+    dims), zero-padded as ``fmp.quantize`` pads."""
+    x = np.abs(x)
+    if tiles:
+        m, n = x.shape[-2:]
+        x = np.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, -m % 16), (0, -n % 16)])
+        return x.reshape(*x.shape[:-2], x.shape[-2] // 16, 16, x.shape[-1] // 16, 16).max(axis=(-3, -1))
+    x = np.moveaxis(x, axis, -1)
+    x = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % size)])
+    return np.moveaxis(x.reshape(*x.shape[:-1], -1, size).max(-1), -1, axis)
+
+
+def block_stats(
+    lhs: Any, rhs: Any, dimension_numbers: Any, recipe: Float8Recipe, weight_first: bool = False
+) -> tuple[float, float]:
+    """For an explain row (concrete operands): the share of the forward operands' nonzero elements that
+    quantise to zero, and the share of their nonzero blocks whose scale saturates (an MX exponent at -127 or
+    127; an NVFP4 scale that underflows to 0)."""
+    lperm, rperm, ashape, bshape, _ = canonical(lhs.shape, rhs.shape, dimension_numbers)
+    a = jnp.transpose(lhs, lperm).reshape(ashape).astype(jnp.float32)
+    b = jnp.transpose(rhs, rperm).reshape(bshape).astype(jnp.float32)
+    nv = recipe.scaling == "nvfp4"
+    if nv and weight_first:  # the weight is the first operand: tile it, as block_dot_general does
+        layouts = [(jnp.swapaxes(a, 1, 2), 1, True), (b, 1, False)]
+    else:
+        layouts = [(a, 2, False), (b, 1, nv)]
+    flushed = nonzero = blocks = saturated = 0
+    size = 16 if nv else 32
+    for x, axis, tiles in layouts:
+        q = quantize(x, recipe.scaling, axis=axis, scale_rounding=recipe.scale_rounding,
+                     block="16x16" if tiles else "1x16")  # fmt: skip
+        xs, codes = np.asarray(x), np.asarray(q.data.astype(jnp.float32))
+        nonzero += int((xs != 0).sum())
+        flushed += int(((xs != 0) & (codes == 0)).sum())
+        live = _block_amax(xs, axis, size, tiles) > 0
+        if nv:
+            hit = np.asarray(q.scale.astype(jnp.float32)) == 0
+        else:
+            byte = np.asarray(q.scale).view(np.uint8)
+            hit = (byte == 0) | (byte == 254)
+        blocks += int(live.sum())
+        saturated += int((hit & live).sum())
+    return flushed / max(nonzero, 1), saturated / max(blocks, 1)
 
 
 def _key_data(key: jax.Array) -> jax.Array:

@@ -82,6 +82,11 @@ class OpRecord:
         under (``"tensorwise: K <= 4096 and N <= 1024"``, see ``fmp._report._float8_choice``); else ``""``.
       added_vs_float8_median: With ``compare=True``, a float8 matmul: its ``added_error`` over the median
         ``added_error`` of the report's other float8 matmuls (the rule that keeps one in bfloat16); else ``None``.
+      block_flushed: A matmul under a block-scaled format (``mxfp8``, ``mxfp4``, ``nvfp4``): the share of its
+        operands' nonzero elements that quantised to zero (measured with ``compare=True``, which runs
+        on values); ``None`` otherwise.
+      block_saturated: The same rows: the share of the operands' nonzero blocks whose scale hit the end of its
+        range (an MX exponent of -127 or 127; an NVFP4 scale that underflowed to 0).
     """
 
     index: int
@@ -113,6 +118,8 @@ class OpRecord:
     gemm: tuple[int, int, int] | None = None
     float8_too_small: str = ""
     added_vs_float8_median: float | None = None
+    block_flushed: float | None = None
+    block_saturated: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -110,7 +110,7 @@ def _float8_facts(r: OpRecord) -> str:
 
 
 def _dtypes(names: Iterable[str]) -> str:
-    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "float8_e4m3fn": "e4m3"}
+    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "float8_e4m3fn": "e4m3", "float4_e2m1fn": "e2m1"}
     return ",".join(short.get(n, n) for n in names) or "-"
 
 
@@ -211,11 +211,22 @@ def format_table(records: Iterable[OpRecord], summary: dict[str, Any], title: st
     )
     if summary.get("float8_flops"):
         out.append(f"{summary['float8_flop_share']:.1%} of flops in float8")
+    out += _block_lines(records)
     size = size_line(records)
     if size:
         out.append(textwrap.fill(size, 100, subsequent_indent="    ", break_on_hyphens=False))
     out += [textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False) for line in _by_rule(records)]
     return "\n".join(out)
+
+
+def _block_lines(records: Iterable[OpRecord]) -> list[str]:
+    """One line per block-scaled matmul: the shares of its operands flushed to zero and of saturated scales."""
+    rows = [r for r in records if r.block_flushed is not None]
+    return [
+        f"  #{r.index} {r.detail.split(' ', 1)[0]}: {r.block_flushed:.2%} of nonzero elements flushed to zero, "
+        f"{r.block_saturated:.2%} of blocks with a saturated scale"
+        for r in rows
+    ]
 
 
 def _short(x: float | None) -> str:

@@ -202,3 +202,38 @@ def test_the_example_trains_every_policy_and_names_the_layers_it_keeps():
     assert [r["run"] for r in runs][:4] == ["float32", "bfloat16", "mxfp8", "nvfp4"]
     assert all(np.isfinite(r["final"]) and r["ms_per_step"] > 0 for r in runs)
     assert all(r["kept"] for r in runs[4:])  # a "+ keep" run only where the report kept layers
+
+
+# --- the precision debugger -----------------------------------------------------------------------------------------
+def four_layers(p, x):
+    with jax.named_scope("a"):
+        h = jnp.tanh(x @ p["w1"])
+    with jax.named_scope("b"):
+        h = jnp.tanh(h @ p["w2"])
+    with jax.named_scope("c"):  # one massive channel enters this layer's matmul
+        h = jnp.tanh((h * p["gain"]) @ p["w3"])
+    with jax.named_scope("d"):
+        return jnp.mean((h @ p["w4"]) ** 2)
+
+
+@pytest.mark.parametrize("policy", ["mixed_mxfp8", "mixed_nvfp4"])
+def test_explain_measures_flushed_elements_and_saturated_scales_and_keeps_the_worst_layer(policy):
+    ks = jax.random.split(jax.random.key(0), 4)
+    p = {f"w{i + 1}": jax.random.normal(k, (64, 64), F32) / 8 for i, k in enumerate(ks)}
+    p["gain"], p["w3"] = jnp.ones(64, F32).at[5].set(1e6), p["w3"].at[5].multiply(1e-6)
+    x = jax.random.normal(jax.random.key(2), (32, 64), F32)
+    rep = fmp.explain(four_layers, policy, compare=True)(p, x)
+    rows = {r.scope: r for r in rep.records if r.category == "float8"}
+    assert set(rows) == {"a", "b", "c", "d"}
+    # the massive channel crushes its neighbours: elements flushed to zero (NVFP4: whole blocks whose e4m3
+    # scale underflows, since its tensor scale follows the massive value)
+    assert rows["c"].block_flushed > 0.1 and rows["c"].block_flushed > rows["a"].block_flushed
+    if policy == "mixed_nvfp4":  # e2m1 flushes a tenth of a plain layer's elements (below a quarter step)
+        assert rows["c"].block_saturated > 0.5 and rows["a"].block_saturated == 0
+    else:
+        assert rows["a"].block_flushed == 0 and rows["c"].block_saturated == 0
+    assert f"#{rows['c'].index} {policy[6:]}: " in str(rep)
+    assert rep.suggested() == {"overrides": {"c": "mixed_bfloat16"}}  # the measured layer kept in bfloat16
+    fixed = fmp.explain(four_layers, policy, compare=True, **rep.suggested())(p, x)
+    assert "c" not in {r.scope for r in fixed.records if r.category == "float8"}
+    assert fmp.explain(four_layers, policy)(p, x).records[0].block_flushed is None  # needs compare=True
