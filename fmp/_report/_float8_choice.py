@@ -40,6 +40,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fmp._core._dtypes import BLOCK_FORMATS
 from fmp._core._rules import RuleSet
 from fmp._report._compare import FAR, OpRecord, unit_roundoff
 from fmp._report._fixes import fix_code, keep_value, location_key
@@ -58,6 +59,7 @@ SMALL_BOXES: dict[str, tuple[tuple[float, float], ...]] = {
 # fmp's recipes by the torchao rule they follow
 FAMILY = {"tensorwise": "tensorwise", "delayed": "tensorwise", "rowwise": "rowwise", "blockwise": "rowwise"}
 FAMILY["mx"] = "rowwise"
+FAMILY.update(dict.fromkeys(BLOCK_FORMATS, "rowwise"))  # mxfp8, mxfp4, nvfp4: blocks finer than rows
 ALIGN = 16  # the float8 GEMM takes K and N in multiples of this
 
 
