@@ -19,6 +19,7 @@ GEMM computes up to its accumulation order.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -36,6 +37,14 @@ _MSG_MX_BACKEND = (
     "format's codes) or run on a GPU with MX tensor cores (Blackwell)."
 )
 _NO_KEY = (0, 0)
+_LOG = logging.getLogger("fmp")
+# whether the one-time note that block-scaled matmuls are emulated was logged (once per process)
+EMULATION_NOTED: list[bool] = []
+_MSG_EMULATED = (
+    "fmp: block-scaled matmuls (%s) are emulated on this %s device: operands quantised and dequantised, the "
+    "product a float32 matmul (bit for bit with the formats' codes, slower than bfloat16); "
+    "Float8Recipe('mxfp8', emulate=False) runs jax.nn.scaled_dot_general where the device has MX tensor cores."
+)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -128,6 +137,9 @@ def block_dot_general(
     """
     if recipe.scaling == "mxfp8" and recipe.emulate is False:
         return _scaled_dot_general(lhs, rhs, dimension_numbers, out_dtype)
+    if not EMULATION_NOTED:
+        EMULATION_NOTED.append(True)
+        _LOG.info(_MSG_EMULATED, recipe.scaling, jax.default_backend())
     lperm, rperm, ashape, bshape, oshape = canonical(lhs.shape, rhs.shape, dimension_numbers)
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)

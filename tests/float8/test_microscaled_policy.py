@@ -237,3 +237,15 @@ def test_explain_measures_flushed_elements_and_saturated_scales_and_keeps_the_wo
     fixed = fmp.explain(four_layers, policy, compare=True, **rep.suggested())(p, x)
     assert "c" not in {r.scope for r in fixed.records if r.category == "float8"}
     assert fmp.explain(four_layers, policy)(p, x).records[0].block_flushed is None  # needs compare=True
+
+
+def test_the_emulation_is_said_once_as_information(caplog):
+    from fmp._float8 import _block_dot
+
+    _block_dot.EMULATION_NOTED.clear()
+    x, w, _ = _operands()
+    with caplog.at_level("INFO", logger="fmp"):
+        for fmt in ("mxfp8", "nvfp4"):
+            block_dot_general(x, w, DN, fmp.Float8Recipe(fmt), F32)
+    notes = [r for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "INFO" and jax.default_backend() in notes[0].getMessage()
