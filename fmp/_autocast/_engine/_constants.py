@@ -21,6 +21,7 @@ from jax.extend.core import Literal
 
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._provenance import (
+    STEPS,
     Frame,
     into,
     is_inline_call,
@@ -62,54 +63,87 @@ _ARITHMETIC = {
     "mul": lambda a, b: a * b,
 }
 
-_STEPS = 256  # a walk that visits more values than this gives up (the value counts as a runtime value)
+_STEPS = 256  # a walk that visits more new values than this gives up (the value counts as a runtime value)
 
 # id(array) -> (array, its largest finite magnitude): a closed-over array is measured once
 _MEASURED = LRU(256)
 
+_PENDING = object()  # a bound not found yet
+
 
 def bound(var: Any, frame: Frame) -> float | None:
     """An upper bound of the finite magnitudes ``var`` can take if its values are known while tracing, else
-    None (a runtime value). Answers are kept in ``frame.bounds``, so a program is walked once."""
-    try:
-        return _bound(var, frame, [_STEPS])
-    except RecursionError:
-        return None
+    None (a runtime value).
 
-
-def _bound(var: Any, frame: Frame, budget: list[int]) -> float | None:
-    v = up(var, frame)
+    Answers are kept in the frame that holds each value (``Frame.bounds``, and the frames of the inline
+    calls' bodies below it, ``Frame.children``), so a rewrite walks each value of its program once: a walk
+    stops at values an earlier one measured. The walk keeps its own stack (no recursion, whatever the depth
+    of the program) and gives up past ``_STEPS`` new values.
+    """
+    v, f = up(var, frame)
     if isinstance(v, Literal):
         return _magnitude(v.val)
-    if v in frame.bounds:
-        return frame.bounds[v]
-    budget[0] -= 1
-    if budget[0] < 0:
-        return None  # not kept: another walk may get further
-    frame.bounds[v] = None  # while this walk is under way
-    eqn = frame.producers.get(v)
-    result = None
+    known = f.bounds.get(v, _PENDING)
+    if known is not _PENDING:
+        return known
+    budget, top, top_frame = _STEPS, v, f
+    stack: list[tuple[Any, Frame]] = [(v, f)]
+    while stack:
+        v, f = stack[-1]
+        if v in f.bounds:  # reached twice on this walk
+            stack.pop()
+            continue
+        need, result = _step(v, f)
+        if need is None:
+            f.bounds[v] = result
+            stack.pop()
+            continue
+        budget -= 1
+        if budget < 0:
+            return None  # nothing on the stack is kept: another walk may get further
+        stack.append(need)
+    return top_frame.bounds[top]
+
+
+def _step(v: Any, f: Frame) -> tuple[tuple[Any, Frame] | None, float | None]:
+    """``(None, bound of v)`` when the bounds it is made from are known, else ``(a value to measure first,
+    None)``. ``v`` is a variable of ``f``'s jaxpr that no alias maps up."""
+    STEPS["bound"] += 1
+    eqn = f.producers.get(v)
     if eqn is None:
-        const = frame.consts.get(v)
-        if v in frame.consts and not isinstance(const, jax.core.Tracer):  # else an argument
-            result = _magnitude(const)
-    elif is_inline_call(eqn):
-        body_frame, out = into(eqn, v, frame)
-        result = _bound(out, body_frame, budget)
-    elif eqn.primitive.name in _VALUES or eqn.primitive.name in _ARITHMETIC:
-        name = eqn.primitive.name
-        parts = []
-        for u in eqn.invars[_VALUES[name]] if name in _VALUES else eqn.invars:
-            parts.append(_bound(u, frame, budget))
-            if parts[-1] is None:
-                break
-        if None not in parts:
-            result = _ARITHMETIC[name](*parts) if name in _ARITHMETIC else max(parts)
-    if budget[0] >= 0:
-        frame.bounds[v] = result
-    else:
-        del frame.bounds[v]
-    return result
+        const = f.consts.get(v)
+        if v in f.consts and not isinstance(const, jax.core.Tracer):  # else an argument
+            return None, _magnitude(const)
+        return None, None
+    if is_inline_call(eqn):
+        body_frame, out = into(eqn, v, f)
+        return _known(out, body_frame, lambda m: m[0])
+    name = eqn.primitive.name
+    if name in _VALUES:
+        return _known(eqn.invars[_VALUES[name]], f, max)
+    if name in _ARITHMETIC:
+        return _known(eqn.invars, f, lambda m: _ARITHMETIC[name](*m))
+    return None, None
+
+
+def _known(operands: Any, f: Frame, combine: Any) -> tuple[tuple[Any, Frame] | None, float | None]:
+    """The bound ``combine`` makes of the bounds of ``operands`` (None as soon as one is a runtime value), or
+    the first operand whose bound is still to be found."""
+    if not isinstance(operands, list):
+        operands = [operands]
+    parts = []
+    for u in operands:
+        w, g = up(u, f)
+        if isinstance(w, Literal):
+            parts.append(_magnitude(w.val))
+            continue
+        m = g.bounds.get(w, _PENDING)
+        if m is _PENDING:
+            return (w, g), None
+        if m is None:
+            return None, None
+        parts.append(m)
+    return None, combine(parts)
 
 
 def overflows(magnitude: float, dtype: str) -> bool:

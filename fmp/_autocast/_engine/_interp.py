@@ -27,7 +27,7 @@ from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast, restore
 from fmp._autocast._engine._context import REGION_SCOPE, Context, overridden, record_eqn, source_of
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import Chain, frame_of, is_inline_call
+from fmp._autocast._engine._provenance import Chain, body_frame, frame_of, is_inline_call
 from fmp._autocast._engine._weights import (
     body_weights,
     frame_weights,
@@ -103,7 +103,10 @@ def eval_jaxpr(
     inlined = call is not None and bool(ctx.frames) and bool(ctx.memos)
     ctx.memos.append(ctx.memos[-1] if inlined else {})  # a value cast for two uses is cast once
     if inlined and call:
-        frame = frame_of(jaxpr, ctx.frames[-1], call.invars)
+        # the body's frame of the walks (``_provenance.into``), so what they measured in it is reused; a body
+        # with constants gets a frame of its own, which knows their values
+        shared = not jaxpr.constvars and getattr(call.params.get("jaxpr"), "jaxpr", None) is jaxpr
+        frame = body_frame(call, ctx.frames[-1]) if shared else frame_of(jaxpr, ctx.frames[-1], call.invars)
     else:
         named = frame_weights(jaxpr, ctx.weights_in.get(id(jaxpr))) if ctx.frames else top_weights(jaxpr)
         frame = frame_of(jaxpr, weights=named)

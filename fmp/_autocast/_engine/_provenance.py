@@ -40,18 +40,23 @@ PASS_THROUGH = frozenset({"reshape", "broadcast_in_dim", "convert_element_type",
 WEIGHT_VIEWS = PASS_THROUGH | {"reduce_precision", "copy", "copy_p", "slice", "dynamic_slice"}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Frame:
-    """The producers of the jaxprs on one path of the program, and the links from bodies up to their calls.
+    """One jaxpr on a path of the program: its producers, and the link from its inputs up to its call.
 
-    ``producers`` maps a variable to the equation that made it; ``alias`` maps
-    a body's input variable to the operand its call passed (an inlined body, or
-    a body a walk went down into); ``hints`` carries, into a helper body
+    ``producers`` maps a variable of the frame's own jaxpr to the equation that
+    made it; ``alias`` maps the jaxpr's input variables to the operands its call
+    passed, variables of ``parent`` (an inlined body, or a body a walk went down
+    into; a frame with no parent is a program rewritten on its own). A walk that
+    reaches an input goes ``up`` to the parent frame, so every lookup is one
+    dict access whatever the depth. ``hints`` carries, into a helper body
     rewritten on its own, the epilogue test of those of its equations that see
-    through its inputs, as run in the caller's program. ``uses`` counts the
-    uses of each variable of the frame's own jaxpr (its equations and outputs).
+    through its inputs, as run in the caller's program. ``uses`` counts the uses
+    of each variable of the frame's own jaxpr (its equations and outputs).
     ``consts`` maps the constant variables of the jaxprs on the path to their
-    values, ``bounds`` memoises ``_constants.bound`` for this frame.
+    values. ``bounds`` memoises ``_constants.bound`` for the frame's variables
+    and ``children`` the frames of the bodies of its inline calls (``into``), so
+    each value's bound is found once per rewrite.
     """
 
     producers: Mapping[Any, JaxprEqn]
@@ -65,6 +70,10 @@ class Frame:
     # variable -> how it names a weight ("input 2"): inputs of the autocast function and constants, and the
     # inputs of a body that receive one (the float8 scope rule)
     weights: Mapping[Any, str] = dataclasses.field(default_factory=dict)
+    parent: Frame | None = None
+    jaxpr: Jaxpr | None = None  # the frame's own jaxpr
+    # id(inline call equation) -> (the equation, its body's frame under this one), made by ``into``
+    children: dict[int, tuple[JaxprEqn, Frame]] = dataclasses.field(default_factory=dict)
 
 
 _MISSING = object()
@@ -149,11 +158,9 @@ def frame_of(
     called in ``parent`` with ``operands`` (variables of ``parent``) as its inputs."""
     own, uses = _producers(jaxpr)
     if parent is None or operands is None:
-        return Frame(own, {}, uses, weights={} if weights is None else weights)
+        return Frame(own, {}, uses, weights={} if weights is None else weights, jaxpr=jaxpr)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
-    return Frame(
-        Chain(own, parent.producers), Chain(alias, parent.alias), uses, consts=parent.consts, weights=parent.weights
-    )
+    return Frame(own, alias, uses, consts=parent.consts, weights=parent.weights, parent=parent, jaxpr=jaxpr)
 
 
 def used_once(var: Any, frame: Frame) -> bool:
@@ -168,15 +175,22 @@ def is_inline_call(eqn: JaxprEqn) -> bool:
     return eqn.primitive is jit_p and inlined_when_staged(eqn.params)
 
 
-def up(var: Any, frame: Frame) -> Any:
-    """The variable of the outermost jaxpr on ``frame``'s path that ``var`` (a body input) stands for."""
-    alias = frame.alias
-    while not isinstance(var, Literal):
-        above = alias.get(var, _MISSING)
+# How many steps the walks took (``up`` from a body input to its operand, one value visited by ``_walk``,
+# ``depends`` or ``_constants.bound``): a test reads it to check that a rewrite walks each value a bounded
+# number of times, so that its cost stays linear in the size of the program.
+STEPS = collections.Counter()
+
+
+def up(var: Any, frame: Frame) -> tuple[Any, Frame]:
+    """The operand that ``var`` (a variable of ``frame``'s jaxpr; a body input) stands for, in the outermost
+    frame on the path that holds it, and that frame."""
+    while not isinstance(var, Literal) and frame.parent is not None:
+        above = frame.alias.get(var, _MISSING)
         if above is _MISSING:
             break
-        var = above
-    return var
+        STEPS["up"] += 1
+        var, frame = above, frame.parent
+    return var, frame
 
 
 def root(var: Any, frame: Frame, through: frozenset[str] = PASS_THROUGH) -> tuple[Any, JaxprEqn | None, frozenset[Any]]:
@@ -197,7 +211,8 @@ def _walk(
     path: set[Any] = set()
     steps: list[JaxprEqn] = []
     while True:
-        var = up(var, frame)
+        var, frame = up(var, frame)
+        STEPS["walk"] += 1
         if isinstance(var, Literal):
             return var, None, frozenset(path), steps[::-1]
         path.add(var)
@@ -212,10 +227,19 @@ def _walk(
 
 
 def into(call: JaxprEqn, out: Any, frame: Frame) -> tuple[Frame, Any]:
-    """The body of inline ``call`` as a frame, and the body's output that is the call's output ``out``."""
-    body = call.params["jaxpr"].jaxpr
+    """The body of inline ``call`` (an equation of ``frame``) as a frame under ``frame``, and the body's output
+    that is the call's output ``out``. The body's frame is made once per call and kept in ``frame``."""
     k = next(i for i, o in enumerate(call.outvars) if o is out)
-    return frame_of(body, frame, call.invars), body.outvars[k]
+    return body_frame(call, frame), call.params["jaxpr"].jaxpr.outvars[k]
+
+
+def body_frame(call: JaxprEqn, frame: Frame) -> Frame:
+    """The frame of the body of ``call`` (an equation of ``frame`` with a ``jaxpr`` parameter) called there:
+    made once per call and kept in ``frame.children``, so what walks learn in it is kept too."""
+    kept = frame.children.get(id(call))
+    if kept is None or kept[0] is not call:
+        kept = frame.children[id(call)] = (call, frame_of(call.params["jaxpr"].jaxpr, frame, call.invars))
+    return kept[1]
 
 
 def weight_of(var: Any, frame: Frame) -> str | None:
@@ -231,17 +255,18 @@ def weight_of(var: Any, frame: Frame) -> str | None:
 def depends(var: Any, on: frozenset[Any], frame: Frame) -> bool:
     """Whether ``var`` is computed from any variable in ``on`` (walking ``frame``'s path; a call's outputs
     count as computed from all of its operands)."""
-    stack, seen = [var], set()
+    stack, seen = [(var, frame)], set()
     while stack:
-        v = up(stack.pop(), frame)
+        v, f = up(*stack.pop())
         if isinstance(v, Literal) or v in seen:
             continue
+        STEPS["depends"] += 1
         if v in on:
             return True
         seen.add(v)
-        made = frame.producers.get(v)
+        made = f.producers.get(v)
         if made is not None:
-            stack.extend(made.invars)
+            stack.extend((u, f) for u in made.invars)
     return False
 
 
