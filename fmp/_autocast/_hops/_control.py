@@ -38,7 +38,7 @@ from fmp._autocast._engine._context import (
 )
 from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, transform_closed
 from fmp._autocast._engine._provenance import is_inline_call
-from fmp._autocast._hops import _calls, _float8_rows
+from fmp._autocast._hops import _calls, _exact, _float8_rows
 from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN, run_bwd
 from fmp._autocast._hops._helpers import helper_call
 from fmp._core import _dtypes as _dtypes_mod
@@ -229,6 +229,9 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
     does), unless it was marked with `fmp.bwd_as_written`.
     """
     closed: ClosedJaxpr = eqn.params["call_jaxpr"]
+    low = _exact.input_dtype(eqn, invals, ctx)
+    if low is not None:
+        return _custom_in(eqn, invals, ctx, scope, low)
     invals = pin(invals, closed.in_avals, ctx)
     outs = _dtypes(closed.out_avals)
     ctx = _float8_rows.stateless(
@@ -249,6 +252,18 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
         _jax_internals.user_function(params["bwd"]), BWD_AS_WRITTEN, False
     ):
         params["bwd"] = _jax_internals.rewrap_bwd(params["bwd"], functools.partial(run_bwd, ctx=ctx, scope=scope))
+    return bind(eqn, invals, params)
+
+
+def _custom_in(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, low: Any) -> list[Any]:
+    """A ``custom_jvp_call`` that only picks values, run in its inputs' dtype ``low`` (``_exact``): its body
+    and its jvp rule are rewritten with every floating value of their boundary in ``low``."""
+    closed: ClosedJaxpr = eqn.params["call_jaxpr"]
+    outs = [low if hasattr(a, "dtype") and is_castable(a.dtype) else None for a in closed.out_avals]
+    with _exact.running(closed.jaxpr):  # the rule table's rewrite (with its explain rows), in ``low``
+        new = transform_closed(closed, _exact.retyped(closed.in_avals, low), ctx, scope, outs)
+    params = dict(eqn.params, call_jaxpr=new)
+    params["jvp_jaxpr_fun"] = _jax_internals.rewrap_rule_thunk(params["jvp_jaxpr_fun"], _exact.retyper(low))
     return bind(eqn, invals, params)
 
 
