@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers.jaxprs import in_dtypes, rewritten
+from _helpers.jaxprs import all_eqns, rewritten
 
 import fmp
+from fmp._autocast._engine._cast import is_rounding
 from fmp._autocast._hops import _exact
 
 KEY = jax.random.key(0)
@@ -54,7 +55,9 @@ def leaky_mlp(p, x):
 
 
 def _relu_in(fn, policy="mixed_bfloat16"):
-    return in_dtypes(rewritten(fn, P, X, policy=policy), "custom_jvp_call")
+    """Input dtypes of the program's custom_jvp calls (not float16's rounding marks, ``_cast.is_rounding``)."""
+    calls = [e for e in all_eqns(rewritten(fn, P, X, policy=policy)) if e.primitive.name == "custom_jvp_call"]
+    return [tuple(np.dtype(v.aval.dtype).name for v in e.invars) for e in calls if not is_rounding(e)]
 
 
 @pytest.mark.parametrize("policy,low", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
