@@ -112,7 +112,7 @@ def retyped(avals: Any, dtype: Any) -> list[Any]:
 
 def _has_float8(ctx: Context) -> bool:
     # a float8 matmul scales its input in the input's dtype: a bfloat16 input would round differently
-    return ctx.policy.fp8 is not None or any(p.fp8 is not None for _, p in ctx.overrides)
+    return ctx.policy.float8 is not None or any(p.float8 is not None for _, p in ctx.overrides)
 
 
 _CONSUMERS = LRU(512)  # id(jaxpr) -> (jaxpr, {variable: the last equation that reads it})
