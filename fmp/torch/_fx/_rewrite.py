@@ -207,15 +207,22 @@ class Rewriter(GraphBuilder):
             return new
         return self._cast(new, before.dtype, like, None)
 
-    def _copy(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> torch.fx.Node:
-        """Re-emits a node unchanged; its value is recomputed only if an input's dtype changed."""
+    def _copy(self, node: torch.fx.Node, args: tuple, kwargs: dict, recorded_ok: bool = True) -> torch.fx.Node:
+        """Re-emits a node unchanged; its value is recomputed if an input's dtype changed or ``recorded_ok``
+        is False.
+
+        The trace ran under autocast, so a recorded value is the one autocast gave the op: it is the
+        op's value in the new graph only where the op still runs under the traced autocast state. An
+        op run as written (a float32 override) yields what its inputs give it with autocast off,
+        which the casts of the ops that consume it must see.
+        """
         old_vals = [a.meta.get("val") for a in node.all_input_nodes]
         new_inputs = []
         torch.fx.node.map_arg((args, kwargs), lambda n: new_inputs.append(n))
         same = len(old_vals) == len(new_inputs) and all(
             same_meta(o, self.vals.get(n)) for o, n in zip(old_vals, new_inputs, strict=True)
         )
-        val = self.fake(node.meta.get("val")) if same else RUN
+        val = self.fake(node.meta.get("val")) if same and recorded_ok else RUN
         new = self.emit(node.target, args, kwargs, node, val=val)
         new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
         return new
@@ -242,7 +249,10 @@ class Rewriter(GraphBuilder):
                 return inlined
         # autocast reaches inside the op's kernel or its untraceable decomposition: keep it in a region
         inside = enabled and (inlined is UNTRACEABLE or device == "cpu" and key in self.rules.torch_cpu_autocast_inside)
-        new = in_region(self, node, op, device, compute, args, kwargs) if inside else self._copy(node, args, kwargs)
+        if inside:
+            new = in_region(self, node, op, device, compute, args, kwargs)
+        else:
+            new = self._copy(node, args, kwargs, recorded_ok=not written)
         self._casts.invalidate(op, args, kwargs)
         if self.events is not None:
             ins = float_names(self.value_of((args, kwargs)))

@@ -6,8 +6,9 @@ the attributes of the new root module. ``_rewrite.Rewriter`` builds on it.
 
 `plain` and `inputs_before` give the explain report's "before" column: each node's value with autocast
 off. A traced graph's recorded values may already show autocast's dtypes (tracing runs with torch's
-autocast state on), so the report recomputes them with fake tensors from the program's own ops. Only
-`fmp.torch.explain_fx` and `fmp.torch.explain_graph` read these; the rewrite itself never does.
+autocast state on), so the report recomputes them with fake tensors from the program's own ops (a float8
+matmul's value is the replaced matmul's). Besides `fmp.torch.explain_fx` and `fmp.torch.explain_graph`, the
+rewrite reads them for one thing: an op a float32 override runs as written gets its inputs in these dtypes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fmp.torch._fx._common import RUN, float_names, is_tensor
+from fmp.torch._fx._float8 import FLOAT8
 
 
 class GraphBuilder:
@@ -107,7 +109,10 @@ def plain(rw: Any, node: torch.fx.Node) -> Any:
     if node in rw.before:
         return rw.before[node]
     val = node.meta.get("val")
-    if node.op == "call_function" and (
+    if FLOAT8 in node.meta:  # as written, the matmul it replaced: in its activation operand's dtype
+        x = plain(rw, node.args[0])
+        val = rw.retype(val, x.dtype) if is_tensor(x) and x.dtype.is_floating_point else val
+    elif node.op == "call_function" and (
         isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
     ):
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: plain(rw, n))
