@@ -14,7 +14,7 @@ is dropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from jax.extend.core import JaxprEqn, Literal
@@ -74,20 +74,38 @@ def _user_cast(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     return outs
 
 
-def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy) -> list[Any]:
-    prim = eqn.primitive
-    category, detail = ctx.rules.category(prim.name), ""
-    if prim.name in ctx.rules.jax_uncontracted and contracted_size(eqn) == 1:
+class Decision(NamedTuple):
+    """The rule table's decision for one equation, from its inputs' types (``_decision``)."""
+
+    category: Category  # the op's rule (a contraction that sums one element per output: ``mul``'s)
+    detail: str  # why the rule is not the op's own, or ""
+    floats: list[int]  # the positions of its castable floating inputs
+    strong: list[str]  # the dtypes the decision reads (``_strong``)
+    target: str | None  # the dtype the floating inputs are cast to, or None to leave them
+
+
+def _decision(eqn: JaxprEqn, avals: Sequence[Any], scalar: list[bool], ctx: Context, compute: str) -> Decision:
+    """The decision ``_decided`` (on the rewritten program's types) and ``keeps`` (on the original ones) both
+    read: ``scalar`` marks the inputs that are scalar constants (Python numbers in the source)."""
+    category, detail = ctx.rules.category(eqn.primitive.name), ""
+    if eqn.primitive.name in ctx.rules.jax_uncontracted and contracted_size(eqn) == 1:
         category = ctx.rules.category("mul")
         detail = "sums one element per output: an elementwise product, decided as mul"
+    floats = [i for i, a in enumerate(avals) if hasattr(a, "dtype") and is_castable(a.dtype)]
+    strong = _strong(category, avals, floats, scalar)
+    return Decision(category, detail, floats, strong, decide(category, compute, strong))
+
+
+def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy: Policy) -> list[Any]:
+    prim = eqn.primitive
     cur = [aval_of(x) for x in invals]
     orig = [v.aval for v in eqn.invars]
-    floats = [i for i, a in enumerate(cur) if hasattr(a, "dtype") and is_castable(a.dtype)]
-    strong = _strong(category, cur, floats, [is_scalar_constant(x) for x in invals])
     compute = policy.compute_dtype.name
+    category, detail, floats, strong, target = _decision(
+        eqn, cur, [is_scalar_constant(x) for x in invals], ctx, compute
+    )
     if category is Category.BANNED and compute == "float16" and floats:
         raise ValueError(ctx.rules.banned_message(prim.name))
-    target = decide(category, compute, strong)
     why = ""
     if category is Category.FLOAT8:
         if target is not None and policy.float8 is not None and len(floats) == len(invals) == 2:
@@ -146,21 +164,18 @@ def _strong(category: Category, avals: Sequence[Any], floats: list[int], scalar:
 def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
     """Whether ``leaf`` binds ``eqn`` exactly as written when its inputs have the original program's types.
 
-    The same decision as ``_decided`` (the rule table's ``decide``, the same followers), read off the
-    original types: no input is cast and no parameter changes. Conservative: a cast the program wrote
-    between float32 and a low-precision type, a float8 or banned op, and a literal cast are not kept.
+    The same decision as ``_decided`` (``_decision``), read off the original types: no input is cast and no
+    parameter changes. Conservative: a cast the program wrote between float32 and a low-precision type, a
+    float8 or banned op, and a literal cast are not kept.
     """
     avals = [v.aval for v in eqn.invars]
-    floats = [i for i, a in enumerate(avals) if hasattr(a, "dtype") and is_castable(a.dtype)]
     if eqn.primitive is convert_element_type_p:
         names = {dtype_name(avals[0].dtype), dtype_name(eqn.params["new_dtype"])}
         return not isinstance(eqn.invars[0], Literal) and not names & _dtypes.LOW_PRECISION
-    category = ctx.rules.category(eqn.primitive.name)
+    scalar = [isinstance(v, Literal) for v in eqn.invars]
+    category, _, floats, _, target = _decision(eqn, avals, scalar, ctx, policy.compute_dtype.name)
     if category in (Category.FLOAT8, Category.BANNED):
         return False
-    strong = _strong(category, avals, floats, [isinstance(v, Literal) for v in eqn.invars])
-    compute = policy.compute_dtype.name
-    target = decide(category, compute, strong)
     if target is None:
         return True
     if (

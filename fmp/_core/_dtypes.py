@@ -45,6 +45,9 @@ _WIDTH = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
 # the largest finite value of each format narrower than float32 (what an overflow is set against)
 MAX_FINITE = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, E4M3: 448.0, E5M2: 57344.0}
 
+# the smallest normal number of each format narrower than float32 (below it: subnormals, then zero)
+SMALLEST_NORMAL = {"float16": 2.0**-14, "bfloat16": 2.0**-126, E4M3: 2.0**-6, E5M2: 2.0**-14}
+
 # unit roundoff (half the machine epsilon) of each floating dtype an op may run in
 UNIT_ROUNDOFF = {
     "float64": 2.0**-53,

@@ -16,14 +16,18 @@ Framework-neutral: imports neither jax nor torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from fmp._core._dtypes import LOW_PRECISION
 from fmp._core._rules import RuleSet
-from fmp._report._compare import AMPLIFIED, FAR, OpRecord, Stats, unit_roundoff, with_stats
+from fmp._report._compare import AMPLIFIED, FAR, Stats, unit_roundoff, with_stats
 from fmp._report._fixes import fix_code
+
+if TYPE_CHECKING:  # the records module imports this one (through its verdict and fixes)
+    from fmp._report._records import OpRecord
 
 # how many ops upstream an inherited error is traced to the rows that rounded its inputs
 WALK = 16
@@ -187,22 +191,41 @@ def fill(
     return dataclasses.replace(row, suggestion=fix, culprits=tuple(c.index for c in found))
 
 
+S = TypeVar("S")
+
+
+class Job(NamedTuple, Generic[S]):
+    """A compared row and its statistics: ``Stats`` once known, or what gives them (a JAX ``Deferred``, an
+    output of the compiled comparison)."""
+
+    row: int  # the row's index in the records
+    out: S  # the statistics of the op's outputs against the reference
+    alone: S | None  # the statistics of the op alone (its added error); None where it could not run alone
+    down: bool  # the op's rule rounded its inputs down itself: no inherited error is charged upstream
+    node: Hashable = None  # where the walk upstream starts (a torch graph node); None: the row itself
+
+
 def fill_rows(
     records: list[OpRecord],
-    jobs: Sequence[tuple[int, Stats, Stats, bool]],
-    makers: dict[int, list[int]],
+    jobs: Sequence[Job[Stats]],
     rules: RuleSet,
+    makers: Mapping[int, Sequence[int]] | Callable[[Any], Iterable[Hashable]],
+    row: Callable[[Any], OpRecord | None] | None = None,
+    framework: str = "jax",
 ) -> None:
-    """Writes each job's statistics (``(row, output stats, added-error stats, whether its rule rounded its
-    inputs down)``) into its row of ``records``, with the blame and suggestion they call for; ``makers``: the
-    rows that made each compared row's inputs."""
-    for i, out, alone, down in jobs:  # in program order: the rows upstream of one are filled before it
-
-        def upstream(i: int = i, through: bool = False) -> list[Any] | None:
-            return charged(makers.get(i, ()), lambda n: makers.get(n, ()), records.__getitem__, through)
-
-        made = [records[k] for k in makers.get(i, ())]
-        records[i] = fill(records[i], out, alone[0], rules, None if down else upstream, inputs=made)
+    """Writes each job's statistics into its row of ``records``, with the blame and suggestion they call
+    for (``fill``). The graph the blame walks: ``makers``, the rows that made each compared row's inputs
+    (JAX), or ``makers(node)``, the nodes a node reads, with ``row(node)``, a node's compared row or
+    ``None`` (torch: a graph's nodes)."""
+    inputs = (lambda n: makers.get(n, ())) if isinstance(makers, Mapping) else makers
+    row = row or records.__getitem__
+    for job in jobs:  # in program order: the rows upstream of one are filled before it
+        start = job.row if job.node is None else job.node
+        upstream = functools.partial(charged, inputs(start), inputs, row)
+        made = [r for n in inputs(start) if (r := row(n)) is not None]
+        added = None if job.alone is None else job.alone.error
+        filled = fill(records[job.row], job.out, added, rules, None if job.down else upstream, framework, made)
+        records[job.row] = filled
 
 
 def backward_suggestion(row: OpRecord, forward: Sequence[OpRecord], rules: RuleSet) -> str | None:

@@ -14,13 +14,36 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from fmp._core._dtypes import UNIT_ROUNDOFF
 
-OpRecord = Any  # fmp._report._records.OpRecord (whose plot imports this module)
-Stats = tuple[Any, Any, Any, bool, int, Any]  # the row fields ``STATS``, in order
-STATS = ("error", "sqnr_db", "max_abs_error", "nonfinite", "flips", "ref_max")
+if TYPE_CHECKING:  # the records module imports this one (through its plot and blame)
+    from fmp._report._records import OpRecord
+
+
+class Stats(NamedTuple):
+    """The statistics of an op's outputs against the reference: the row fields (``OpRecord``) of the same
+    names. ``error`` is ``None`` when no output is floating."""
+
+    error: float | None
+    sqnr_db: float | None
+    max_abs_error: float | None
+    nonfinite: bool
+    flips: int
+    ref_max: float | None
+
+
+class Parts(NamedTuple):
+    """One floating output's part of ``Stats`` (``array_parts``): any array library's scalars."""
+
+    ref_max: Any  # largest |reference|
+    ref_sq: Any  # sum of squares of the reference, scaled by ref_max
+    diff_max: Any  # largest |difference|
+    diff_sq: Any  # sum of squares of the difference, scaled by diff_max
+    bad: Any  # a non-finite difference
+    over: Any  # a non-finite value where the reference is finite
+
 
 # an op's own error this many unit roundoffs above its dtype's (or non-finite, or changed discrete outputs)
 # gets a suggestion; a correctly rounded elementwise op adds about one, a well-conditioned reduction a few
@@ -64,11 +87,11 @@ EXACT_OPS = frozenset(
 )
 
 
-def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> Stats:
+def combine(parts: Sequence[Parts], flips: int = 0) -> Stats:
     """``output_stats`` from the ``array_parts`` of each floating output (any array library's scalars) and the
     count of changed discrete elements."""
     if not parts:
-        return None, None, None, False, flips, None
+        return Stats(None, None, None, False, flips, None)
     signal = noise = max_abs = ref_max = 0.0
     nonfinite = False
     for part in parts:
@@ -79,13 +102,13 @@ def combine(parts: Sequence[Sequence[Any]], flips: int = 0) -> Stats:
         noise += math.inf if bad else d_max * d_max * d_sq
         max_abs = max(max_abs, math.inf if bad else d_max)
     if noise == 0.0:
-        return 0.0, math.inf, max_abs, nonfinite, flips, ref_max
+        return Stats(0.0, math.inf, max_abs, nonfinite, flips, ref_max)
     error = math.sqrt(noise / signal) if signal > 0.0 else math.inf
     sqnr = 10.0 * math.log10(signal / noise) if signal > 0.0 and math.isfinite(noise) else -math.inf
-    return error, sqnr, max_abs, nonfinite, flips, ref_max
+    return Stats(error, sqnr, max_abs, nonfinite, flips, ref_max)
 
 
-def array_parts(xp: Any, p: Any, r: Any, top: Any = None) -> tuple[Any, ...]:
+def array_parts(xp: Any, p: Any, r: Any, top: Any = None) -> Parts:
     """Largest |reference| and sum of squares scaled by it, the same of the difference, any non-finite
     difference, any non-finite value where the reference is finite (``xp``: ``numpy``, ``jax.numpy`` or
     ``torch``; ``top``: the largest element of a non-negative array, 0 when empty, if ``xp.max`` has no
@@ -100,7 +123,7 @@ def array_parts(xp: Any, p: Any, r: Any, top: Any = None) -> tuple[Any, ...]:
     r_max, d_max = top(r0), top(d0)
     r_sq = xp.sum(xp.square(r0 / xp.where(r_max > 0, r_max, 1.0)))
     d_sq = xp.sum(xp.square(d0 / xp.where(d_max > 0, d_max, 1.0)))
-    return r_max, r_sq, d_max, d_sq, xp.any(~ok), xp.any(~xp.isfinite(p) & finite)
+    return Parts(r_max, r_sq, d_max, d_sq, xp.any(~ok), xp.any(~xp.isfinite(p) & finite))
 
 
 def unit_roundoff(row: OpRecord) -> float:
@@ -121,7 +144,7 @@ class CompareOps(Protocol):
         """``x`` converted to the dtype of ``like``."""
         ...
 
-    def parts(self, p: Any, r: Any) -> Sequence[Any]:
+    def parts(self, p: Any, r: Any) -> Parts:
         """``array_parts`` of one floating output against its reference, in ``wide_dtype`` of the two."""
         ...
 
@@ -182,7 +205,7 @@ def split_outputs(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> 
 
 
 def output_stats(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> Stats:
-    """``(error, sqnr_db, max_abs_error, nonfinite, flips, ref_max)`` of ``outs`` against ``refs``.
+    """The ``Stats`` of ``outs`` against ``refs``.
 
     ``error`` is the relative L2 error over all floating outputs (``None`` when there are none);
     ``nonfinite`` says an inf/NaN appeared where the reference is finite (then ``error`` is inf); ``flips``
@@ -194,4 +217,4 @@ def output_stats(ops: CompareOps, outs: Sequence[Any], refs: Sequence[Any]) -> S
 
 def with_stats(row: OpRecord, stats: Stats, added_error: Any) -> OpRecord:
     """``row`` with the statistics of its outputs (``output_stats``) and the error it adds by itself."""
-    return dataclasses.replace(row, added_error=added_error, **dict(zip(STATS, stats, strict=True)))
+    return dataclasses.replace(row, added_error=added_error, **stats._asdict())

@@ -10,13 +10,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-FLOAT16_MAX = 65504.0
-FLOAT16_TINY = 2.0**-14  # smallest normal float16
-FLOAT16_UNIT = 2.0**-11  # unit roundoff of float16
+from fmp._core._dtypes import MAX_FINITE, SMALLEST_NORMAL, UNIT_ROUNDOFF
+
+if TYPE_CHECKING:  # the records module imports this one
+    from fmp._report._records import OpRecord
+
+FLOAT16_MAX = MAX_FINITE["float16"]
+FLOAT16_TINY = SMALLEST_NORMAL["float16"]
+FLOAT16_UNIT = UNIT_ROUNDOFF["float16"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,7 @@ class GradReport:
     """
 
     errors: Mapping[str, GradError]
-    rows: tuple[Any, ...]
+    rows: tuple[OpRecord, ...]
     loss_scale: float
     float16: bool = False
     scale_needed: float | None = None
@@ -109,9 +114,20 @@ def grad_error(p: np.ndarray, r: np.ndarray, **extra: Any) -> GradError:
     return GradError(error, cosine, max_abs, nonfinite, **extra, norm=norm, diff_norm=diff)
 
 
-def float16_range(r: np.ndarray, scale: float) -> tuple[float, float, float | None, float | None, float, float]:
-    """Of a gradient ``r`` (float64, unscaled) held in float16 at ``scale``: ``(underflow, subnormal,
-    scale_needed, scale_max, lo, largest |r|)``; the scales are ``None`` when ``r`` is 0.
+class Float16Range(NamedTuple):
+    """What float16 does to a gradient at a loss scale (``float16_range``)."""
+
+    underflow: float  # the fraction of its nonzero elements that round to zero
+    subnormal: float  # the fraction that is subnormal
+    scale_needed: float | None  # the smallest power of two that lifts ``lo`` into the normal range
+    scale_max: float | None  # the largest power of two that overflows none of it
+    lo: float  # the smallest magnitude that must stay in the normal range
+    hi: float  # its largest magnitude
+
+
+def float16_range(r: np.ndarray, scale: float) -> Float16Range:
+    """Of a gradient ``r`` (float64, unscaled) held in float16 at ``scale``: a ``Float16Range``; the scales
+    are ``None`` when ``r`` is 0.
 
     ``lo`` is the smallest magnitude that must stay in float16's normal range: the elements below it
     together have an L2 norm of at most float16's unit roundoff times ``r``'s, so losing them changes
@@ -120,7 +136,7 @@ def float16_range(r: np.ndarray, scale: float) -> tuple[float, float, float | No
     a = np.abs(r[np.isfinite(r)])
     a = np.sort(a[a > 0])
     if not a.size:
-        return 0.0, 0.0, None, None, math.inf, 0.0
+        return Float16Range(0.0, 0.0, None, None, math.inf, 0.0)
     hi = float(a[-1])
     cum = np.cumsum(np.square(a / hi))
     k = int(np.searchsorted(cum, (FLOAT16_UNIT**2) * cum[-1], side="right"))
@@ -130,7 +146,7 @@ def float16_range(r: np.ndarray, scale: float) -> tuple[float, float, float | No
     underflow = float(np.mean(held == 0))
     subnormal = float(np.mean((held > 0) & (held < FLOAT16_TINY)))
     needed, most = scales(lo, hi)
-    return underflow, subnormal, needed, most, lo, hi
+    return Float16Range(underflow, subnormal, needed, most, lo, hi)
 
 
 def scales(lo: float, hi: float) -> tuple[float | None, float | None]:

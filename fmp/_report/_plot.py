@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fmp._core._dtypes import BELOW_FLOAT32, UNIT_ROUNDOFF
 from fmp._core._optional import require
 
-OpRecord = Any  # fmp._report._records.OpRecord (which imports this module when a plot is drawn)
+if TYPE_CHECKING:  # the records module imports this one when a plot is drawn
+    from fmp._report._records import OpRecord
+
 _MSG_AX = (
     "Report.plot(ax=...) expects a matplotlib Axes or a pair of them (errors along the program, worst ops), got {got}"
 )

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fmp._core._dtypes import MAX_FINITE
 from fmp._report._float8_choice import size_line
 
-OpRecord = Any  # fmp._report._records.OpRecord (whose Report formats itself with this module)
+if TYPE_CHECKING:  # the records module formats itself with this one
+    from fmp._report._records import OpRecord
 
 
 def inherits(r: OpRecord) -> bool:

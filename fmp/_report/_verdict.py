@@ -11,13 +11,15 @@ import math
 import re
 import textwrap
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fmp._core._dtypes import UNIT_ROUNDOFF
 from fmp._report._compare import FAR
 from fmp._report._float8_choice import clause
 
-OpRecord = Any  # fmp._report._records.OpRecord (whose Report asks this module for its verdict)
+if TYPE_CHECKING:  # the records module asks this one for its verdict
+    from fmp._report._records import OpRecord
+
 
 # the compute dtype in a report's policy text: "params=float32,compute=float16,..." (JAX) or
 # "autocast(device_type='cpu', dtype=bfloat16)" (torch)

@@ -31,7 +31,9 @@ from fmp._autocast._explain import _forward, _outputs
 from fmp._autocast._explain._cache import type_key
 from fmp._autocast._explain._stats import from_fetched
 from fmp._autocast._transform import run_top
-from fmp._report._blame import fill_rows
+from fmp._report._blame import Job, fill_rows
+from fmp._report._compare import Stats
+from fmp._report._records import OpRecord
 
 # XLA may otherwise keep a value in float32 where the program rounds it to bfloat16 and reads it back
 _OPTIONS = {"xla_allow_excess_precision": False}
@@ -48,10 +50,9 @@ class Program:
     """One compiled comparison: the program, the rows its trace made, and how its outputs fill them."""
 
     compiled: Any
-    records: tuple[Any, ...]
-    # per compared row: (row, index of its output statistics in the program's outputs or the exact value,
-    # the same for its added error, whether the op's rule rounded its inputs down)
-    jobs: tuple[tuple[int, Any, Any, bool], ...]
+    records: tuple[OpRecord, ...]
+    # per compared row: its statistics as the index of the program output they come from, or their value
+    jobs: tuple[Job[Stats | int], ...]
     wides: tuple[tuple[Any, ...], ...]  # per program output: the dtypes of its plain sums
     makers: dict[int, list[int]]
     outputs: tuple[Any, ...]  # per output, then per output again: its statistics and its baseline's (_outputs)
@@ -82,13 +83,13 @@ def run(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, fn: Any) -> li
     if any(v is None for v in values):
         return None
     records = list(program.records)
-    jobs = [(i, _value(out, values), _value(added, values), down) for i, out, added, down in program.jobs]
-    fill_rows(records, jobs, program.makers, ctx.rules)
+    jobs = [job._replace(out=_value(job.out, values), alone=_value(job.alone, values)) for job in program.jobs]
+    fill_rows(records, jobs, ctx.rules, program.makers)
     ctx.records = records
     return [_value(spec, values) for spec in program.outputs]
 
 
-def _value(spec: Any, values: list[Any]) -> Any:
+def _value(spec: Stats | int, values: list[Any]) -> Stats:
     return values[spec] if isinstance(spec, int) else spec
 
 
@@ -140,7 +141,7 @@ def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, owner: Any)
         ends = _outputs.started(got, cmp.returned or [], base)
         outs: list[Any] = []
         wides: list[tuple[Any, ...]] = []
-        jobs = []
+        jobs: list[Job[Stats | int]] = []
         index: dict[int, int] = {}  # id of a Deferred -> its position in the outputs (one may serve two rows)
 
         def spec(d: Any) -> Any:
@@ -152,8 +153,8 @@ def _build(closed: ClosedJaxpr, arrays: Sequence[Any], ctx: Context, owner: Any)
                 wides.append(tuple(d.wides))
             return index[id(d)]
 
-        for i, out, added, down in cmp.jobs:
-            jobs.append((i, spec(out), spec(added), down))
+        for job in cmp.jobs:
+            jobs.append(job._replace(out=spec(job.out), alone=spec(job.alone)))
         made.update(records=tuple(c.records or ()), jobs=tuple(jobs), makers=dict(cmp.makers))
         made.update(outputs=tuple(spec(d) for d in ends), wides=tuple(wides))
         return outs

@@ -24,7 +24,7 @@ from fmp._autocast._explain import _bodies, _outputs
 from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
 from fmp._autocast._transform import run_top
 from fmp._core._dtypes import LOW_PRECISION
-from fmp._report._blame import fill_rows
+from fmp._report._blame import Job, fill_rows
 from fmp._report._compare import EXACT_OPS, as_arrived
 
 
@@ -45,9 +45,7 @@ class Comparison:
         self.pending_rows: list[int | None] = []  # and the rows that made them
         self.returned: list[Any] | None = None  # reference outputs of the last jaxpr left
         self.returned_rows: list[int | None] = []  # and the rows that made them
-        # rows whose statistics are still on their way: (row, output stats, added-error stats, whether the
-        # op's rule rounded its inputs down itself)
-        self.jobs: list[tuple[int, Deferred, Deferred, bool]] = []
+        self.jobs: list[Job[Deferred]] = []  # rows whose statistics are still on their way
         self.held = 0  # bytes their statistics hold until they are resolved
 
     def enter(self, jaxpr: Jaxpr, consts: Sequence[Any]) -> None:
@@ -111,7 +109,7 @@ class Comparison:
             self.rows.update((v, i) for v, i in zip(eqn.outvars, self.returned_rows, strict=True) if i is not None)
         if compared:
             self.makers[rows[0]] = [self.rows[v] for v in eqn.invars if not isinstance(v, Literal) and v in self.rows]
-            self.jobs.append((rows[0], out, added, down))
+            self.jobs.append(Job(rows[0], out, added, down))
             self.held += out.held + (added.held if added is not out else 0)
             if self.held > HOLD and not self.traced:
                 self.flush()
@@ -169,10 +167,10 @@ class Comparison:
     def flush(self) -> None:
         """Writes the statistics started so far into their rows (one transfer from the device for all)."""
         jobs, self.jobs, self.held = self.jobs, [], 0
-        resolve([d for _, out, alone, _ in jobs for d in (out, alone)])
+        resolve([d for job in jobs for d in (job.out, job.alone)])
         records = self.ctx.records if self.ctx.records is not None else []
-        jobs_done = [(i, out.result(), alone.result(), down) for i, out, alone, down in jobs]
-        fill_rows(records, jobs_done, self.makers, self.ctx.rules)
+        done = [job._replace(out=job.out.result(), alone=job.alone.result()) for job in jobs]
+        fill_rows(records, done, self.ctx.rules, self.makers)
 
 
 # ops whose one output holds their one input's elements, each the same number of times

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,15 @@ def _is_low(dtype: Any) -> bool:
         return False
 
 
+class _GradJob(NamedTuple):
+    """A backward row whose statistics are on their way."""
+
+    row: OpRecord
+    out: Deferred  # the statistics of its outputs against the lifted run's
+    alone: Deferred  # the statistics of the op alone (its added error)
+    low: list[Any] | None  # the lifted values of its float16 outputs, to measure (a float16 policy only)
+
+
 class _Runs:
     """The policy's gradient jaxpr evaluated as is and lifted to ``wide``, with one row per backward op."""
 
@@ -65,9 +74,8 @@ class _Runs:
         self.wide, self.forward, self.rules, self.scale, self.fp16 = np.dtype(wide), forward, rules, scale, fp16
         self.rows: list[OpRecord] = []
         self.range = (math.inf, 0.0)  # smallest nonzero and largest |value| of the float16 backward values
-        # rows whose statistics are on their way (row, output stats, added-error stats, float16 values to
-        # measure), resolved together (``flush``): no transfer from the device per operation
-        self.jobs: list[tuple[OpRecord, Deferred, Deferred, list[Any] | None]] = []
+        # rows whose statistics are on their way, resolved together (``flush``): no transfer per operation
+        self.jobs: list[_GradJob] = []
         self.held = 0  # bytes the jobs hold
 
     def lift(self, x: Any) -> Any:
@@ -202,7 +210,7 @@ class _Runs:
         )
         low = [s for o, s in zip(outs, s_outs, strict=True) if getattr(o, "dtype", None) == jnp.float16]
         out = Deferred(outs, s_outs)
-        self.jobs.append((row, out, added, low if self.fp16 and low else None))
+        self.jobs.append(_GradJob(row, out, added, low if self.fp16 and low else None))
         self.held += out.held + added.held + sum(x.nbytes for x in low if self.fp16)
         if self.held > HOLD:
             self.flush()
@@ -210,11 +218,11 @@ class _Runs:
     def flush(self) -> None:
         """Fills in the statistics of the rows made so far (one transfer from the device for all)."""
         jobs, self.jobs, self.held = self.jobs, [], 0
-        resolve([d for _, out, added, _ in jobs for d in (out, added)])
-        lifted = jax.device_get([low for *_, low in jobs])
-        for (row, out, added, _), low in zip(jobs, lifted, strict=True):
-            row = dataclasses.replace(row, underflow=self._underflow(low))
-            row = with_stats(row, out.result(), added.result()[0])
+        resolve([d for job in jobs for d in (job.out, job.alone)])
+        lifted = jax.device_get([job.low for job in jobs])
+        for job, low in zip(jobs, lifted, strict=True):
+            row = dataclasses.replace(job.row, underflow=self._underflow(low))
+            row = with_stats(row, job.out.result(), job.alone.result().error)
             fix = backward_suggestion(row, self.forward, self.rules)
             self.rows.append(row if fix is None else dataclasses.replace(row, suggestion=fix))
 
@@ -226,10 +234,10 @@ class _Runs:
         held = [np.asarray(s, np.float64) for s in low]
         nonzero = lost = 0
         for r in held:
-            under, sub, _, _, lo, hi = gr.float16_range(r.ravel(), 1.0)  # the values already carry the scale
+            got = gr.float16_range(r.ravel(), 1.0)  # the values already carry the scale
             n = int(np.count_nonzero(r[np.isfinite(r)]))
-            nonzero, lost = nonzero + n, lost + (under + sub) * n
-            self.range = (min(self.range[0], lo / self.scale), max(self.range[1], hi / self.scale))
+            nonzero, lost = nonzero + n, lost + (got.underflow + got.subnormal) * n
+            self.range = (min(self.range[0], got.lo / self.scale), max(self.range[1], got.hi / self.scale))
         return lost / nonzero if nonzero else 0.0
 
 
@@ -292,9 +300,9 @@ def compare(
         p64 = np.asarray(g, np.float64) / scale
         extra: dict[str, Any] = {}
         if fp16:
-            under, sub, needed, most, l_lo, l_hi = gr.float16_range(r64.ravel(), scale)
-            extra = {"underflow": under, "subnormal": sub, "scale_needed": needed, "scale_max": most}
-            lo, hi = min(lo, l_lo), max(hi, l_hi)
+            got = gr.float16_range(r64.ravel(), scale)
+            extra = {k: getattr(got, k) for k in ("underflow", "subnormal", "scale_needed", "scale_max")}
+            lo, hi = min(lo, got.lo), max(hi, got.hi)
         errors[jax.tree_util.keystr(path)] = gr.grad_error(p64, r64, **extra)
     needed, most = gr.scales(lo, hi) if fp16 else (None, None)
     return gr.GradReport(errors, tuple(runs.rows), scale, fp16, needed, most)

@@ -44,7 +44,7 @@ def scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     _, carry_avals = loop_body(closed, before, list(closed.in_avals[nc : nc + nk]), after, carry, quiet, scope)
     carry = pin(carry, carry_avals, ctx)
     records = ctx.records if ctx.records is not None else []
-    inputs_error = output_stats(invals, ref)[0] or 0.0
+    inputs_error = output_stats(invals, ref).error or 0.0
     made = list(cmp.pending_rows)  # the rows that made the scan's inputs
     writers: list[int | None] = made[nc : nc + nk]
     blocks: list[tuple[int, int]] = []
@@ -91,7 +91,7 @@ def while_loop(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> li
     carry = pin(carry, carry_avals, ctx)
     new_cond = transform_closed(cond, like_avals(cond.in_avals[:nc], cconsts) + carry_avals, quiet, scope)
     records = ctx.records if ctx.records is not None else []
-    inputs_error = output_stats(invals, ref)[0] or 0.0
+    inputs_error = output_stats(invals, ref).error or 0.0
     made = list(cmp.pending_rows)  # the rows that made the loop's inputs
     tests: list[OpRecord] = []  # the condition's rows, every evaluation (they follow the body's rows)
     test_blocks: list[tuple[int, int]] = []
@@ -225,7 +225,7 @@ def _charge_carry(
     error (a sum carried in bfloat16 loses its addends once it is large, one rounding at a time). Only an
     op that rounds the carry to a low-precision dtype is charged: running it in float32 is the fix."""
     for i, c, r in zip(at, carry, r_carry, strict=True):
-        err = output_stats([c], [r])[0]
+        err = output_stats([c], [r]).error
         if i is None or err is None or records[i].added_error is None:
             continue
         row = records[i]

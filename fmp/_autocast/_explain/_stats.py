@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fmp._report._compare import Stats, array_parts, combine, split_outputs, value_kind, wide_dtype
+from fmp._report._compare import Parts, Stats, array_parts, combine, split_outputs, value_kind, wide_dtype
 
 __all__ = ["HOLD", "JAX_OPS", "Deferred", "from_fetched", "output_stats", "resolve"]
 
@@ -46,7 +46,7 @@ class JaxCompareOps:
         return jax.lax.convert_element_type(x, like.dtype)
 
     @staticmethod
-    def parts(p: Any, r: Any) -> tuple[Any, ...]:
+    def parts(p: Any, r: Any) -> Parts:
         """On the host (NumPy, float64): the small outputs ``Deferred`` does not reduce on the device."""
         with np.errstate(all="ignore"):
             return array_parts(np, np.asarray(p).astype(np.float64), np.asarray(r).astype(np.float64))
@@ -81,7 +81,7 @@ class Deferred:
         """The statistics of ``outs`` against themselves: no error, nothing to fetch."""
         done = cls([], [])
         floats = any(value_kind(JAX_OPS.dtype_name(x)) == "float" for x in outs)
-        done.value = (0.0, float("inf"), 0.0, False, 0, None) if floats else combine([], 0)
+        done.value = Stats(0.0, math.inf, 0.0, False, 0, None) if floats else combine([], 0)
         return done
 
     def result(self) -> Stats:
@@ -111,7 +111,7 @@ class Deferred:
         self.device, self.host, self.discrete = [], [], []
 
 
-def _combined(parts: Sequence[Any], host: Sequence[Any], discrete: Sequence[Any]) -> Stats:
+def _combined(parts: Sequence[Parts], host: Sequence[Any], discrete: Sequence[Any]) -> Stats:
     """The statistics from the large outputs' parts and the fetched small and discrete pairs."""
     flips = sum(JAX_OPS.changed(p, r) for p, r in discrete)
     return combine([*parts, *(JAX_OPS.parts(p, r) for p, r in host)], flips)
@@ -171,13 +171,8 @@ def _one_pass_sums(p: Any, r: Any, wide: Any) -> Any:
 
 
 def output_stats(outs: Sequence[Any], refs: Sequence[Any]) -> Stats:
-    """``(error, sqnr_db, max_abs_error, nonfinite, flips)`` of ``outs`` against ``refs``.
-
-    ``error`` is the relative L2 error over all floating outputs (``None`` when
-    there are none); ``nonfinite`` says an inf/NaN appeared where the reference
-    is finite (then ``error`` is inf); ``flips`` counts changed integer and
-    boolean elements. Sums of squares are scaled, so no value overflows them.
-    """
+    """The ``Stats`` of ``outs`` against ``refs`` (the comparison core's ``output_stats``), computed as
+    ``Deferred`` computes them: the large outputs' sums on the device."""
     d = Deferred(outs, refs)
     resolve([d])
     return d.result()
@@ -214,13 +209,13 @@ def _plain(sums: Any, wide: Any) -> bool:
     return math.isfinite(s_r) and math.isfinite(s_d) and s_r >= low and (s_d == 0.0 or s_d >= low)
 
 
-def _from_sums(s_r: Any, s_d: Any, d_max: Any, r_max: Any) -> tuple[Any, ...]:
+def _from_sums(s_r: Any, s_d: Any, d_max: Any, r_max: Any) -> Parts:
     """The plain sums in ``array_parts``' form (sums scaled by the largest value)."""
     d_max, r_max = float(d_max), float(r_max)
     r_sq = float(s_r) / (r_max * r_max) if r_max > 0 else 0.0
-    return r_max, r_sq, d_max, float(s_d) / (d_max * d_max) if d_max > 0 else 0.0, False, False
+    return Parts(r_max, r_sq, d_max, float(s_d) / (d_max * d_max) if d_max > 0 else 0.0, False, False)
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _float_stats(p: Any, r: Any, wide: Any) -> tuple[Any, ...]:
+def _float_stats(p: Any, r: Any, wide: Any) -> Parts:
     return array_parts(jnp, p.astype(wide), r.astype(wide))

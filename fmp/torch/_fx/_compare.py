@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch.utils import _pytree as pytree
 from fmp._core._dtypes import LOW_PRECISION
 from fmp._core._rules import RuleSet
 from fmp._report import _compare as core
-from fmp._report._blame import charged, fill
+from fmp._report._blame import Job, fill_rows
 from fmp._report._grads import GradError, grad_error
 from fmp._report._records import OpRecord
 from fmp.torch._fx._common import TO_COPY, Event, ambient_autocast, float_names
@@ -55,7 +54,7 @@ class TorchCompareOps:
         return x.to(like.dtype)
 
     @staticmethod
-    def parts(p: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def parts(p: torch.Tensor, r: torch.Tensor) -> core.Parts:
         """On the tensors' own device, in ``wide_dtype``, as the JAX side's compiled statistics."""
         wide = getattr(torch, core.wide_dtype(TorchCompareOps.dtype_name(p), TorchCompareOps.dtype_name(r)))
         with torch.no_grad():
@@ -74,8 +73,8 @@ def _top(x: torch.Tensor) -> torch.Tensor:
 
 
 def output_stats(outs: Any, refs: Any) -> core.Stats:
-    """``(error, sqnr_db, max_abs_error, nonfinite, flips)`` of the tensors in ``outs`` against ``refs`` (the
-    structures flattened alike): the comparison core's ``output_stats`` on ``TORCH_OPS``."""
+    """The ``Stats`` of the tensors in ``outs`` against ``refs`` (the structures flattened alike): the
+    comparison core's ``output_stats`` on ``TORCH_OPS``."""
     return core.output_stats(TORCH_OPS, pytree.tree_leaves(outs), pytree.tree_leaves(refs))
 
 
@@ -239,6 +238,7 @@ def compare(
     row_of = {ev.node: i for i, ev in enumerate(events) if ev.category != "cast"}
     casts = {ev.node for ev in events if ev.category == "cast"}
     rows = list(rows)
+    jobs: list[Job[core.Stats]] = []
     ref = _Runner(bound, [_clone(x) for x in leaves], regions=True)
     pol = _Runner(new, [_clone(x) for x in leaves], regions=False)
     done: set[torch.fx.Node] = set()
@@ -269,12 +269,10 @@ def compare(
                 and str(a.kwargs.get("dtype")).removeprefix("torch.") in LOW_PRECISION
                 for a in n.all_input_nodes
             )
-            upstream = functools.partial(charged, b.all_input_nodes, _inputs, row_at)
-            added = output_stats(alone, baseline)[0] if alone is not None and baseline is not None else None
-            stats = output_stats(pol.env[n], ref.env[b])
-            made = [r for a in b.all_input_nodes if (r := row_at(a)) is not None]
-            row = _as_ran(rows[row_of[n]], n, pol.env)
-            rows[row_of[n]] = fill(row, stats, added, rules, None if down else upstream, "torch", made)
+            rows[row_of[n]] = _as_ran(rows[row_of[n]], n, pol.env)  # its dtypes: the values that ran
+            added = output_stats(alone, baseline) if alone is not None and baseline is not None else None
+            jobs.append(Job(row_of[n], output_stats(pol.env[n], ref.env[b]), added, down, b))
+        fill_rows(rows, jobs, rules, _inputs, row_at, "torch")
         ends = _ends(bound, new, ref, pol, leaves, dtype)
     return rows, ends
 
@@ -303,8 +301,8 @@ def _ends(
     fetch = base.interp.fetch_attr
     base.interp.fetch_attr = lambda target: _rounded(fetch(target), dtype)  # parameters and buffers
     lows = _output(bound, base)
-    errors = [output_stats(p, r)[0] for p, r in zip(outs, refs, strict=True)]
-    return errors, [output_stats(b, r)[0] for b, r in zip(lows, refs, strict=True)]
+    errors = [output_stats(p, r).error for p, r in zip(outs, refs, strict=True)]
+    return errors, [output_stats(b, r).error for b, r in zip(lows, refs, strict=True)]
 
 
 def grad_errors(

@@ -114,7 +114,7 @@ class _Float8MM(torch.autograd.Function):
         return _scaled(quantise(x, _FWD, row, pow2), quantise(w_t, _FWD, col, pow2), out, fast=True)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w_t = ctx.saved_tensors
         pow2, gdt, out = ctx.pow2, ctx.grad_dtype, grad.dtype
         row, col = (-1, 0) if ctx.rowwise else (None, None)
