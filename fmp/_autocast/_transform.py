@@ -9,7 +9,6 @@ all build their context here.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,28 +20,24 @@ from fmp._autocast._engine._context import Context, dtype_name, is_castable
 from fmp._autocast._engine._interp import eval_jaxpr, transform_closed_uncached
 from fmp._autocast._hops import _control
 from fmp._core._rules import DEFAULT_RULES, RuleSet
-from fmp._policy import Policy, get_policy
+from fmp._policy import Policy, ResolvedPolicy, get_policy
 from fmp._report._records import OpRecord
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """A validated policy, rule set and overrides (what ``autocast``/``explain`` check when they are called)."""
-
-    policy: Policy
-    rules: RuleSet
-    overrides: tuple[tuple[str, Policy], ...]
-
-
-def configure(policy: str | Policy, rules: RuleSet | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
-    """Validates the user's arguments (raises ``TypeError``/``ValueError`` with what was wrong)."""
-    return Config(get_policy(policy), check_rules(rules), check_overrides(overrides))
+def configure(
+    policy: str | Policy, rules: RuleSet | None = None, overrides: Mapping[str, Any] | None = None
+) -> ResolvedPolicy:
+    """Validates the user's arguments (raises ``TypeError``/``ValueError`` with what was wrong): the policy,
+    rule set and overrides of one ``autocast``/``explain`` call, resolved once."""
+    pol = get_policy(policy)
+    label = policy if isinstance(policy, str) else str(pol)
+    return ResolvedPolicy.of(pol, check_rules(rules), check_overrides(overrides), label=label)
 
 
 def make_context(
-    config: Config, records: list[OpRecord] | None = None, fp8_sites: Any = None, key: Any = None
+    config: ResolvedPolicy, records: list[OpRecord] | None = None, fp8_sites: Any = None, key: Any = None
 ) -> Context:
-    """The context of one rewrite: the configuration plus the interpreter's handlers and leaf rules.
+    """The context of one rewrite: the resolved policy plus the interpreter's handlers and leaf rules.
 
     ``fp8_sites`` (an ``fmp._float8._state.SiteFeeder``) hands delayed-scaling float8 sites their history rows;
     ``key`` is the caller's key for stochastic rounding.

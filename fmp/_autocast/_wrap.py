@@ -17,7 +17,7 @@ from fmp._autocast._transform import configure, make_context, rewrite_top, run_t
 from fmp._core._renamed import NOT_GIVEN, renamed_argument
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
-from fmp._policy import Policy
+from fmp._policy import Policy, ResolvedPolicy
 
 _MSG_POLICY_FIRST = (
     "fmp.autocast(fn, policy) is a function transform and takes the function first, got the policy {got!r}: "
@@ -130,10 +130,21 @@ def autocast(
     if not isinstance(enabled, bool):
         raise TypeError(f"autocast(enabled=...) expects a bool, got {type(enabled).__name__}")
     config = configure(policy, rules, overrides)
-    label = policy if isinstance(policy, str) else str(config.policy)
     if enabled:
-        check_state(float8_state, config.policy, config.overrides, label)
+        check_state(float8_state, config.policy, config.overrides, config.label)
         check_key(key, config.policy, config.overrides)
+    return autocast_resolved(fn, config, enabled, float8_state, key)
+
+
+def autocast_resolved(
+    fn: Callable[..., Any],
+    config: ResolvedPolicy,
+    enabled: bool = True,
+    float8_state: Float8State | None = None,
+    key: jax.Array | None = None,
+) -> Callable[..., Any]:
+    """``autocast(fn, ...)`` of a policy already resolved (``float8_state`` and ``key`` already checked against
+    it)."""
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -152,7 +163,7 @@ def autocast(
         else:
             closed, arrays, out_tree = trace(fn, args, kwargs)
             finish = functools.partial(jax.tree_util.tree_unflatten, out_tree)
-        warn_no_effect(closed, config.policy, config.overrides, label)
+        warn_no_effect(closed, config.policy, config.overrides, config.label)
         with jax.named_scope(REGION_SCOPE):
             outs = run_top(closed, arrays, ctx)
         if sites is not None:

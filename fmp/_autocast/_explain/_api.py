@@ -14,7 +14,7 @@ from fmp._autocast._engine._rows import flops
 from fmp._autocast._explain import _cache, _compiled, _forward, _grads, _outputs
 from fmp._autocast._float8_checks import check_state
 from fmp._autocast._transform import configure, make_context, rewrite_top
-from fmp._autocast._wrap import autocast
+from fmp._autocast._wrap import autocast_resolved
 from fmp._core._dtypes import INIT_SCALE
 from fmp._core._renamed import NOT_GIVEN, renamed_argument
 from fmp._core._rules import RuleSet
@@ -161,7 +161,7 @@ def explain(
         check_state(float8_state, config.policy, config.overrides, str(config.policy))
 
     traces = _cache.Traces()  # the compiled gradients of each argument signature, for repeated calls
-    policy_fn = autocast(fn, policy, rules=rules, overrides=overrides) if grads else None
+    policy_fn = autocast_resolved(fn, config) if grads else None
 
     def run(*args: Any, **kwargs: Any) -> Report:
         check_args(args, kwargs, api="fmp.explain")

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from fmp._core._rules import RuleSet
-from fmp.torch._fx._prepare import cast_outputs, policy_output, prepare, resolve_policy, rewrite
+from fmp.torch._fx._prepare import cast_outputs, output_dtype, prepare, resolve_policy, rewrite
 
 
 def autocast_graph(
@@ -76,9 +76,9 @@ def autocast_graph(
     """
     if not isinstance(graph_module, torch.fx.GraphModule):
         raise TypeError(f"graph_module must be a torch.fx.GraphModule, got {type(graph_module).__name__}")
-    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
-    new = rewrite(graph_module, device_type, dtype, rules)
-    if (output := policy_output(policy)) is not None:
+    resolved = resolve_policy(policy, device_type, dtype, rules)
+    new = rewrite(graph_module, resolved)
+    if (output := output_dtype(resolved)) is not None:
         cast_outputs(new, output)
     return new
 
@@ -172,7 +172,7 @@ def autocast_fx(
       torch.float32
     """
     prep = prepare(fn_or_module, example_inputs, policy, device_type, dtype, rules, overrides, float8_matmul)
-    new = rewrite(prep.graph, prep.device_type, prep.dtype, prep.rules, written=prep.written)
-    if prep.output is not None:
-        cast_outputs(new, prep.output)
+    new = rewrite(prep.graph, prep.policy, written=prep.written)
+    if (output := output_dtype(prep.policy)) is not None:
+        cast_outputs(new, output)
     return new

@@ -11,6 +11,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fmp._core._rules import RuleSet
+from fmp._policy import ResolvedPolicy
 from fmp._report._float8_choice import choose
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
@@ -97,8 +98,8 @@ def records(events: list[Event]) -> tuple[OpRecord, ...]:
     return tuple(rows)
 
 
-def _policy_name(device_type: str, dtype: torch.dtype) -> str:
-    return f"autocast(device_type={device_type!r}, dtype={str(dtype).removeprefix('torch.')})"
+def _policy_name(policy: ResolvedPolicy) -> str:
+    return f"autocast(device_type={policy.device_type!r}, dtype={policy.compute})"
 
 
 def explain_graph(
@@ -127,10 +128,10 @@ def explain_graph(
     """
     if not isinstance(graph_module, torch.fx.GraphModule):
         raise TypeError(f"graph_module must be a torch.fx.GraphModule, got {type(graph_module).__name__}")
-    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules)
+    resolved = resolve_policy(policy, device_type, dtype, rules)
     events: list[Event] = []
-    rewrite(graph_module, device_type, dtype, rules, events)
-    return Report(records(events), _policy_name(device_type, dtype), "torch")
+    rewrite(graph_module, resolved, events)
+    return Report(records(events), _policy_name(resolved), "torch")
 
 
 def explain_fx(
@@ -212,13 +213,13 @@ def explain_fx(
             raise NotImplementedError(_MSG_FLOAT8)
 
     prep = prepare(fn_or_module, example_inputs, policy, device_type, dtype, rules, overrides, float8_matmul, check)
-    device_type, dtype, rules, bound, module = prep.device_type, prep.dtype, prep.rules, prep.graph, prep.module
+    rules, bound, module = prep.policy.rules, prep.graph, prep.module
     events: list[Event] = []
     env: dict[torch.fx.Node, Any] = {}
-    out = rewrite(bound, device_type, dtype, rules, events, prep.written, env)
+    out = rewrite(bound, prep.policy, events, prep.written, env)
     events = float8_events(out.graph, events)
     rows = choose(records(events), rules, "torch")  # the size mark of float8 matmuls
-    name = _policy_name(device_type, dtype)
+    name = _policy_name(prep.policy)
     if not compare:
         return Report(rows, name, "torch")
     leaves = pytree.tree_leaves(list(example_inputs))

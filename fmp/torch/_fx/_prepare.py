@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
 from fmp._float8._recipe import Float8Recipe
-from fmp._policy import Policy, get_policy
+from fmp._policy import Policy, ResolvedPolicy, get_policy
 from fmp.torch._fx._common import Event
 from fmp.torch._fx._float8 import apply_float8, check_kernel, check_recipe
 from fmp.torch._fx._rewrite import Rewriter
@@ -32,13 +32,6 @@ _MSG_POLICY = (
     "('cpu' or 'cuda'), an fmp Policy or policy spec string ('mixed_bfloat16'), or None with "
     "device_type=/dtype= keywords; got {got!r}"
 )
-
-
-def float8_recipe(policy: Any) -> Float8Recipe | None:
-    """The float8 recipe of an fmp ``Policy`` or spec (checked runnable by the FX pass), or None."""
-    if isinstance(policy, Policy | str) and not (isinstance(policy, str) and policy in TORCH_DEVICES):
-        return fx_policy(policy, "autocast_fx", float8=True).float8
-    return None
 
 
 def fx_policy(policy: Policy | str, where: str, float8: bool) -> Policy:
@@ -59,8 +52,11 @@ def resolve_policy(
     dtype: Any = None,
     rules: RuleSet | None = None,
     float8: bool = False,
-) -> tuple[str, torch.dtype, RuleSet]:
-    """Normalizes the accepted policy spellings to ``(device_type, low-precision dtype, rules)``."""
+) -> ResolvedPolicy:
+    """The accepted policy spellings, worked out once: the device type, the low-precision dtype, the rules,
+    and for an fmp ``Policy`` or spec its float8 recipe (checked runnable by the FX pass) and output dtype.
+    ``float8``: the caller runs float8 matmuls (else a policy with a recipe is refused)."""
+    pol = None
     if rules is None:
         rules = DEFAULT_RULES
     elif not isinstance(rules, RuleSet):
@@ -96,7 +92,21 @@ def resolve_policy(
             f"the autocast dtype must be torch.bfloat16 or torch.float16 (torch autocast supports no other), "
             f"got {dtype!r}"
         )
-    return device_type, _LOW[name], rules
+    if pol is None:
+        return ResolvedPolicy(name, None, rules, device_type=device_type, label=str(policy))
+    return ResolvedPolicy.of(pol, rules, device_type=device_type, label=str(policy))
+
+
+def low_dtype(policy: ResolvedPolicy) -> torch.dtype:
+    """The torch dtype autocast lowers to under ``policy``."""
+    return _LOW[policy.compute]
+
+
+def output_dtype(policy: ResolvedPolicy) -> torch.dtype | None:
+    """The torch dtype floating outputs come back in (an fmp policy's: ``"mixed_bfloat16"``, float32), or
+    None for torch's own spellings (``("cpu", torch.bfloat16)``, ``"cpu"``), which leave outputs as torch's
+    autocast does."""
+    return None if policy.output is None else getattr(torch, policy.output)
 
 
 _MSG_OVERRIDES = (
@@ -107,9 +117,7 @@ _MSG_OVERRIDES = (
 )
 
 
-def check_overrides(
-    overrides: Any, policy: Any, recipe: Float8Recipe | None, compute: torch.dtype
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def check_overrides(overrides: Any, policy: ResolvedPolicy) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The module-path keys of ``overrides``: those opting modules out of float8 matmuls, those running
     modules as written in float32 (checked; a float32 module runs no float8 matmul either)."""
     if overrides is None:
@@ -125,24 +133,16 @@ def check_overrides(
             written.append(key)
             continue
         why = ""
-        if recipe is None:
+        if policy.recipe is None:
             why = "The policy runs no float8 matmul, so there is nothing to opt out of."
         elif pol.float8 is not None:
             why = "A different float8 recipe per module is not supported on the torch side."
-        elif pol.compute_dtype.name != str(compute).removeprefix("torch."):
+        elif pol.compute_dtype.name != policy.compute:
             why = "Per-module compute dtypes other than float32 are not supported on the torch side."
         if why:
-            raise NotImplementedError(_MSG_OVERRIDES.format(key=key, value=str(value), policy=str(policy), why=why))
+            raise NotImplementedError(_MSG_OVERRIDES.format(key=key, value=str(value), policy=policy.label, why=why))
         opt_out.append(key)
     return tuple(opt_out), tuple(written)
-
-
-def policy_output(policy: Any) -> torch.dtype | None:
-    """The output dtype of an fmp ``Policy`` or spec (``"mixed_bfloat16"``: float32); None for the torch
-    spellings (``("cpu", torch.bfloat16)``, ``"cpu"``), which leave outputs as torch's autocast does."""
-    if isinstance(policy, Policy | str) and not (isinstance(policy, str) and policy in TORCH_DEVICES):
-        return getattr(torch, get_policy(policy).output_dtype.name)
-    return None
 
 
 def cast_outputs(gm: torch.fx.GraphModule, to: torch.dtype) -> None:
@@ -185,21 +185,21 @@ def fake_mode_of(graph: torch.fx.Graph) -> FakeTensorMode:
 
 def rewrite(
     graph_module: torch.fx.GraphModule,
-    device_type: str,
-    dtype: torch.dtype,
-    rules: RuleSet,
+    policy: ResolvedPolicy,
     events: list[Event] | None = None,
     written: tuple[str, ...] = (),
     env: dict[torch.fx.Node, Any] | None = None,
 ) -> torch.fx.GraphModule:
-    """The transform behind `autocast_graph` (policy already resolved).
+    """The transform behind `autocast_graph` (policy already resolved; the outputs as computed: the caller
+    casts them, `cast_outputs`, where the policy has an output dtype).
 
     ``written``: module path keys whose ops run as written (float32 overrides); ``env``, when
     given, receives each node of ``graph_module`` mapped to what stands for its value in the new graph.
     """
     check_meta(graph_module.graph)
     attrs = _attrs(graph_module)
-    rw = Rewriter(rules, {device_type: (True, dtype)}, fake_mode_of(graph_module.graph), attrs, events, written)
+    state = {policy.device_type: (True, low_dtype(policy))}
+    rw = Rewriter(policy.rules, state, fake_mode_of(graph_module.graph), attrs, events, written)
     out = rw.run(graph_module.graph, {} if env is None else env)
     rw.graph.output(out)
     rw.graph._codegen = graph_module.graph._codegen
@@ -219,18 +219,14 @@ class Prepared:
     """A program traced for the FX passes, before the autocast rewrite.
 
     ``graph``: the traced graph over the module's own state, float8 matmuls in place under a float8
-    policy; ``module``: the traced module (None for a function); ``written``: module path keys run as
-    written; ``output``: the dtype of floating outputs (an fmp policy's), or None.
+    policy; ``module``: the traced module (None for a function); ``policy``: the call's policy, resolved;
+    ``written``: module path keys run as written.
     """
 
     graph: torch.fx.GraphModule
     module: torch.nn.Module | None
-    device_type: str
-    dtype: torch.dtype
-    rules: RuleSet
-    recipe: Float8Recipe | None
+    policy: ResolvedPolicy
     written: tuple[str, ...]
-    output: torch.dtype | None
 
 
 def prepare(
@@ -247,16 +243,16 @@ def prepare(
     """The set-up both ``autocast_fx`` and ``explain_fx`` run: policy, float8 recipe, overrides, kernel,
     trace, state, float8 matmuls. ``check(recipe)`` runs the caller's own argument checks once the recipe
     is known, before anything is traced."""
-    device_type, dtype, rules = resolve_policy(policy, device_type, dtype, rules, float8=True)
-    recipe = float8_recipe(policy)
-    opt_out, written = check_overrides(overrides, policy, recipe, dtype)
+    resolved = resolve_policy(policy, device_type, dtype, rules, float8=True)
+    recipe, device, low = resolved.recipe, str(resolved.device_type), low_dtype(resolved)
+    opt_out, written = check_overrides(overrides, resolved)
     if check is not None:
         check(recipe)
-    kernel = check_kernel(float8_matmul, recipe, policy)
-    gm, names, codegen = trace(fn_or_module, example_inputs, device_type, dtype)
+    kernel = check_kernel(float8_matmul, recipe, resolved.label)
+    gm, names, codegen = trace(fn_or_module, example_inputs, device, low)
     module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else None
     bound = bind_state(gm, module, names, codegen)
     if recipe is not None:
         mode = fake_mode_of(bound.graph)
-        apply_float8(bound, recipe, (*opt_out, *written), device_type, dtype, mode, written, kernel)
-    return Prepared(bound, module, device_type, dtype, rules, recipe, written, policy_output(policy))
+        apply_float8(bound, recipe, (*opt_out, *written), device, low, mode, written, kernel)
+    return Prepared(bound, module, resolved, written)
