@@ -19,15 +19,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from fmp._core._dtypes import LOW_PRECISION
 from fmp._core._rules import RuleSet
 from fmp._report._compare import AMPLIFIED, FAR, Stats, unit_roundoff, with_stats
 from fmp._report._fixes import fix_code
-
-if TYPE_CHECKING:  # the records module imports this one (through its verdict and fixes)
-    from fmp._report._records import OpRecord
+from fmp._report._row import OpRecord
 
 # how many ops upstream an inherited error is traced to the rows that rounded its inputs
 WALK = 16

@@ -14,12 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from fmp._core._dtypes import UNIT_ROUNDOFF
-
-if TYPE_CHECKING:  # the records module imports this one (through its plot and blame)
-    from fmp._report._records import OpRecord
+from fmp._report._row import OpRecord
 
 
 class Stats(NamedTuple):

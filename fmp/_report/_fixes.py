@@ -15,13 +15,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fmp._core._rules import DEFAULT_RULES, Category, RuleSet
 from fmp._core._scopes import is_location
-
-if TYPE_CHECKING:  # the records module imports this one
-    from fmp._report._records import OpRecord
+from fmp._report._row import OpRecord
 
 
 def location_key(row: OpRecord) -> str:

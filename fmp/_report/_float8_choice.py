@@ -38,15 +38,13 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fmp._core._dtypes import BLOCK_FORMATS
 from fmp._core._rules import RuleSet
 from fmp._report._compare import FAR, unit_roundoff
 from fmp._report._fixes import fix_code, keep_value, location_key
-
-if TYPE_CHECKING:  # the records module imports this one
-    from fmp._report._records import OpRecord
+from fmp._report._row import OpRecord
 
 # a float8 matmul whose own error is this many times the median of the other float8 matmuls' (and above its
 # float8 format's unit roundoff) stands out: its row gets a suggestion that keeps it in the compute dtype

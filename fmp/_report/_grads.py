@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from fmp._core._dtypes import MAX_FINITE, SMALLEST_NORMAL, UNIT_ROUNDOFF
-
-if TYPE_CHECKING:  # the records module imports this one
-    from fmp._report._records import OpRecord
+from fmp._report._row import OpRecord
 
 FLOAT16_MAX = MAX_FINITE["float16"]
 FLOAT16_TINY = SMALLEST_NORMAL["float16"]

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fmp._core._dtypes import BELOW_FLOAT32, UNIT_ROUNDOFF
 from fmp._core._optional import require
-
-if TYPE_CHECKING:  # the records module imports this one when a plot is drawn
-    from fmp._report._records import OpRecord
+from fmp._report._row import OpRecord
 
 _MSG_AX = (
     "Report.plot(ax=...) expects a matplotlib Axes or a pair of them (errors along the program, worst ops), got {got}"

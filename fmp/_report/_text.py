@@ -5,13 +5,11 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fmp._core._dtypes import MAX_FINITE
 from fmp._report._float8_choice import size_line
-
-if TYPE_CHECKING:  # the records module formats itself with this one
-    from fmp._report._records import OpRecord
+from fmp._report._row import OpRecord
 
 
 def inherits(r: OpRecord) -> bool:

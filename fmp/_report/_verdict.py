@@ -11,15 +11,12 @@ import math
 import re
 import textwrap
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fmp._core._dtypes import UNIT_ROUNDOFF
 from fmp._report._compare import FAR
 from fmp._report._float8_choice import clause
-
-if TYPE_CHECKING:  # the records module asks this one for its verdict
-    from fmp._report._records import OpRecord
-
+from fmp._report._row import OpRecord
 
 # the compute dtype in a report's policy text: "params=float32,compute=float16,..." (JAX) or
 # "autocast(device_type='cpu', dtype=bfloat16)" (torch)
