@@ -57,7 +57,7 @@ def test_the_jax_side_carries_one_resolved_policy():
     resolved = _transform.configure("mixed_float8", overrides={"head": "float32"})
     assert isinstance(resolved, ResolvedPolicy)
     assert (resolved.compute, resolved.output, resolved.label) == ("bfloat16", "float32", "mixed_float8")
-    assert resolved.recipe is resolved.policy.fp8 and resolved.recipe.scaling == "tensorwise"
+    assert resolved.recipe is resolved.policy.float8 and resolved.recipe.scaling == "tensorwise"
     assert resolved.overrides == (("head", fmp.get_policy("float32")),) and resolved.device_type is None
 
 

@@ -189,7 +189,7 @@ class _BlockMM(torch.autograd.Function):
         return _torch(y, x, out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w_t = ctx.saved_tensors
         dx, dw = _block_dot.block_grads(_jax(x), _jax(w_t), _jax(grad), _NO_KEY, *ctx.args, False)
         return _torch(dx, x, x.dtype), _torch(dw, w_t, w_t.dtype), None, None, None, None
