@@ -18,7 +18,7 @@ from fmp._report._records import OpRecord, Report, short_source
 from fmp.torch._fx import _compare
 from fmp.torch._fx._common import Event, float_names, module_path, node_source
 from fmp.torch._fx._float8 import float8_events
-from fmp.torch._fx._prepare import prepare, resolve_policy, rewrite
+from fmp.torch._fx._prepare import low_dtype, prepare, resolve_policy, rewrite
 
 _MATMUL = {"aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "aten::addmm", "aten::baddbmm", "aten::addbmm"}
 _MATMUL |= {"aten::_addmm_activation", "aten::linalg_vecdot", "fmp::float8_linear"}
@@ -224,7 +224,8 @@ def explain_fx(
         return Report(rows, name, "torch")
     leaves = pytree.tree_leaves(list(example_inputs))
     with _compare.kept_buffers(module):
-        compared, (errors, baselines) = _compare.compare(bound, out, env, events, list(rows), leaves, rules, dtype)
+        low = low_dtype(prep.policy)
+        compared, (errors, baselines) = _compare.compare(bound, out, env, events, list(rows), leaves, rules, low)
         grad_errors = _compare.grad_errors(module, bound, out, example_inputs) if grads else {}
     back = GradReport(errors=grad_errors, rows=(), loss_scale=1.0) if grads else None
     return Report(
