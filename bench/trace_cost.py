@@ -15,7 +15,9 @@ from scratch in a fresh process per measurement (nothing cached from an earlier 
 The unrolled layers are written out one after another, as flax linen or nnx without ``nn.scan`` and
 equinox loops give them to ``jit``. Runs are interleaved (every variant at every depth once per round,
 in a fresh process each) and the table gives medians over the rounds; the load average of the machine
-is printed before and after.
+is printed before and after. Trace+lower is given in the process's CPU time (on a shared machine the wall
+time also counts the time other jobs hold the cores) with the wall-time ratio beside it; compile in wall
+time. ``--compile-up-to`` and ``--float8-up-to`` bound the depths those are timed at.
 """
 
 from __future__ import annotations
@@ -82,22 +84,23 @@ def scanned(hand: bool):
     return loss
 
 
-def measure(variant: str, layers: int, compile: bool = True) -> tuple[float, float]:
-    """``(trace+lower s, compile s)`` of the train step of ``variant`` at ``layers`` blocks (compile: NaN when
-    not asked for)."""
+def measure(variant: str, layers: int, compile: bool = True) -> tuple[float, float, float]:
+    """``(trace+lower wall s, trace+lower CPU s, compile wall s)`` of the train step of ``variant`` at
+    ``layers`` blocks (compile: NaN when not asked for). CPU time is the process's own: on a shared machine
+    the wall time also counts the time other jobs hold the cores."""
     stacked = init_params(layers)
     params = stacked if variant.startswith("scan") else [{k: v[i] for k, v in stacked.items()} for i in range(layers)]
     base = (scanned if variant.startswith("scan") else unrolled)(hand=variant.endswith("hand"))
     loss = base if variant.endswith("hand") else fmp.autocast(base, POLICIES[variant])
     x = jnp.ones((BATCH, D))
     jax.block_until_ready((params, x))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     lowered = jax.jit(jax.value_and_grad(loss)).lower(params, x)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     if not compile:
-        return t1 - t0, float("nan")
+        return t1 - t0, c1 - c0, float("nan")
     lowered.compile()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, c1 - c0, time.perf_counter() - t1
 
 
 def _load() -> str:
@@ -119,43 +122,49 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="fresh processes per variant and depth (median)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--compile-up-to", type=int, default=1 << 30, help="time compile only up to this depth")
+    ap.add_argument("--float8-up-to", type=int, default=1 << 30, help="time float8 only up to this depth")
     ap.add_argument("--one", nargs=3, metavar=("VARIANT", "LAYERS", "COMPILE"), help=argparse.SUPPRESS)  # a child
     args = ap.parse_args()
     if args.one:
-        print("{:.6f} {:.6f}".format(*measure(args.one[0], int(args.one[1]), args.one[2] == "1")))
+        print("{:.6f} {:.6f} {:.6f}".format(*measure(args.one[0], int(args.one[1]), args.one[2] == "1")))
         return
-    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    times: dict[tuple[str, int], list[tuple[float, ...]]] = {}
     load_before, started = _load(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for _ in range(args.rounds):
         for layers in args.layers:
             for variant in args.variants:
-                cmd = [sys.executable, __file__, "--one", variant, str(layers), str(int(layers <= args.compile_up_to))]
+                if variant == "float8" and layers > args.float8_up_to:
+                    continue
+                timed = str(int(layers <= args.compile_up_to))
+                cmd = [sys.executable, __file__, "--one", variant, str(layers), timed]
                 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
-                times.setdefault((variant, layers), []).append((float(out[-2]), float(out[-1])))
+                times.setdefault((variant, layers), []).append(tuple(float(w) for w in out[-3:]))
     print(
         f"{_cpu()}; Python {platform.python_version()}, jax {jax.__version__}; {started}; "
-        f"load average {load_before} before, {_load()} after; median of {args.rounds} fresh processes; "
-        f"compile timed up to {min(args.compile_up_to, max(args.layers))} layers"
+        f"load average {load_before} before, {_load()} after; median of {args.rounds} fresh processes"
     )
-    med = {k: (statistics.median(t for t, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
-    head = ["layers"]
-    for what, i in (("trace+lower", 0), ("compile", 1)):
-        head += [f"{v} {what} s" for v in args.variants]
-        if "hand" in args.variants and "bf16" in args.variants:
-            head.append(f"bf16/hand {what}")
-        if "bf16" in args.variants and "float8" in args.variants and i == 0:
-            head.append("float8/bf16 trace+lower")
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
+    med = {k: [statistics.median(t[i] for t in v) for i in range(3)] for k, v in times.items()}
+
+    def cell(variant: str, layers: int, i: int) -> str:
+        return f"{med[variant, layers][i]:.3g}" if (variant, layers) in med else "-"
+
+    def ratio(a: str, b: str, layers: int, i: int) -> str:
+        if (a, layers) not in med or (b, layers) not in med:
+            return "-"
+        return f"{med[a, layers][i] / med[b, layers][i]:.2f}"
+
+    columns = [
+        *((f"{v} CPU s", lambda n, v=v: cell(v, n, 1)) for v in args.variants),
+        ("bf16/hand CPU", lambda n: ratio("bf16", "hand", n, 1)),
+        ("bf16/hand wall", lambda n: ratio("bf16", "hand", n, 0)),
+        ("float8/bf16 CPU", lambda n: ratio("float8", "bf16", n, 1)),
+        ("hand compile s", lambda n: cell("hand", n, 2)),
+        ("bf16/hand compile", lambda n: ratio("bf16", "hand", n, 2)),
+    ]
+    print("| layers | " + " | ".join(name for name, _ in columns) + " |")
+    print("|" + "---|" * (len(columns) + 1))
     for layers in args.layers:
-        row = [str(layers)]
-        for i in (0, 1):
-            row += [f"{med[v, layers][i]:.3g}" for v in args.variants]
-            if "hand" in args.variants and "bf16" in args.variants:
-                row.append(f"{med['bf16', layers][i] / med['hand', layers][i]:.2f}")
-            if "bf16" in args.variants and "float8" in args.variants and i == 0:
-                row.append(f"{med['float8', layers][0] / med['bf16', layers][0]:.2f}")
-        print("| " + " | ".join(row) + " |")
+        print(f"| {layers} | " + " | ".join(get(layers) for _, get in columns) + " |")
 
 
 if __name__ == "__main__":
