@@ -64,7 +64,6 @@ def test_assert_plan_names_the_site_that_exceeds_its_share(default_plan, params)
         assert_plan(P.jax_loss, default_plan, broken, jnp.asarray(P.batch(0)))
 
 
-@pytest.mark.slow  # tests/plan/test_search.py checks the same order on synthetic measurements
 def test_budgets_order_the_plans_by_cost(params):
     # the search fmp.plan runs, on one set of measurements for several budgets
     x0, x1 = jnp.asarray(P.batch(0)), jnp.asarray(P.batch(1))
