@@ -354,7 +354,9 @@ def _third_party_imports(path) -> set[str]:
     tree = ast.parse(path.read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    return {m for m in imported if m not in sys.stdlib_module_names and m not in {"fmp", "examples", "__future__"}}
+    siblings = {p.stem for p in path.parent.glob("*.py")}  # an example may import another example beside it
+    local = {"fmp", "examples", "__future__"} | siblings
+    return {m for m in imported if m not in sys.stdlib_module_names and m not in local}
 
 
 def test_examples_extra_covers_every_example():

@@ -75,7 +75,10 @@ def test_the_page_states_the_rules_the_report_applies():
     assert f"**{STANDS_OUT:g}x the median**" in text
     assert "| tensorwise (fmp: `tensorwise`, `delayed`) | `K <= 4096` and `N <= 1024` |" in text
     assert SMALL_BOXES["tensorwise"] == ((4096, 1024),)
-    assert "| rowwise (fmp: `rowwise`, `blockwise`, `mx`) | `N <= 2048`, or `K <= 1024`, or `K <= 2048` and" in text
+    assert (
+        "| rowwise (fmp: `rowwise`, `blockwise`, `mxfp8`, `mxfp4`, `nvfp4`) | `N <= 2048`, or `K <= 1024`, or "
+        "`K <= 2048` and"
+    ) in text
     assert SMALL_BOXES["rowwise"] == ((math.inf, 2048), (1024, math.inf), (2048, 4096))
     report = (ASSETS / "float8_choice_report.txt").read_text()
     assert report.startswith("1 op needs a fix") and 'fix: overrides={"LM/Dense_0": "mixed_bfloat16"}' in report
