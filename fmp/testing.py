@@ -13,8 +13,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from fmp._autocast import autocast, explain
+from fmp._autocast._explain._api import explain_resolved
 from fmp._autocast._explain._plan import Runner
+from fmp._autocast._float8_checks import check_state
+from fmp._autocast._transform import configure
+from fmp._autocast._wrap import autocast_resolved
 from fmp._plan import _check
 from fmp._plan._plan import Plan
 from fmp._policy import Policy
@@ -92,9 +95,11 @@ def assert_precision(
         raise TypeError(f"assert_precision(max_error=...) expects a number or None, got {max_error!r}")
     if max_error is not None and not max_error >= 0:
         raise ValueError(f"assert_precision(max_error=...) must be >= 0, got {max_error!r}")
-    report = explain(fn, policy, compare=True, grads=grads, argnums=argnums, **autocast_kwargs)(*args)
+    config = configure(policy, **autocast_kwargs)  # once, for the report and the outputs alike
+    check_state(None, config.policy, config.overrides, config.label)  # a delayed recipe runs current scaling
+    report = explain_resolved(fn, config, compare=True, grads=grads, argnums=argnums)(*args)
     want = jax.tree_util.tree_leaves_with_path(fn(*args))
-    got = jax.tree_util.tree_leaves(autocast(fn, policy, **autocast_kwargs)(*args))
+    got = jax.tree_util.tree_leaves(autocast_resolved(fn, config)(*args))
     errors = {f"output{jax.tree_util.keystr(k)}": _relative(g, w) for (k, w), g in zip(want, got, strict=True)}
     notes: dict[str, str] = {}
     if grads:
@@ -166,7 +171,8 @@ def assert_plan(
 
     Raises:
       AssertionError: The plan measures more than its budget, or a site more than its share; the message
-        names the sites above their share, worst first.
+        names the sites above their share, worst first. Under pytest a failure shows the message, not this
+        function's source or arguments.
       TypeError, ValueError: ``plan`` is not an ``fmp.Plan``; ``rtol`` is not a number >= 0.
 
     Examples:
@@ -182,6 +188,7 @@ def assert_plan(
         ...
       AssertionError: the plan measures ...
     """
+    __tracebackhide__ = True  # pytest shows the message, not this function's source and arguments
     if not isinstance(plan, Plan):
         raise TypeError(f"assert_plan(fn, plan, ...) expects an fmp.Plan, got {type(plan).__name__}")
     if isinstance(rtol, bool) or not isinstance(rtol, int | float) or not rtol >= 0:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import fmp
+import fmp.testing
 from fmp._autocast import _transform, _wrap
 from fmp._autocast._explain import _api
 from fmp._policy import ResolvedPolicy
@@ -27,7 +28,7 @@ def _count(monkeypatch, calls, module, name):
 @pytest.fixture
 def jax_calls(monkeypatch):
     calls = collections.Counter()
-    for module in (_api, _wrap):
+    for module in (_api, _wrap, fmp.testing):
         _count(monkeypatch, calls, module, "configure")
         _count(monkeypatch, calls, module, "check_state")
     _count(monkeypatch, calls, _transform, "get_policy")
@@ -50,6 +51,13 @@ def test_explain_resolves_its_policy_once(jax_calls):
 
 def test_autocast_resolves_its_policy_once(jax_calls):
     fmp.autocast(_loss, "mixed_bfloat16")(*ARGS)
+    assert jax_calls == {"configure": 1, "get_policy": 1, "check_state": 1}
+
+
+def test_assert_precision_resolves_its_policy_once(jax_calls):
+    # its report (explain, with gradients) and its outputs (autocast) run on one resolved policy
+    report = fmp.testing.assert_precision(_loss, "mixed_bfloat16", *ARGS, max_error=1e-1, grads=True)
+    assert report.grads is not None
     assert jax_calls == {"configure": 1, "get_policy": 1, "check_state": 1}
 
 

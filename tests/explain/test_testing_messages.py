@@ -1,5 +1,6 @@
-"""What a failing ``assert_precision`` shows: under pytest the message only; with ``grads=True`` a count of the
-leaves above the bound and the five worst; a leaf with a tiny reference gradient judged by absolute error."""
+"""What a failing ``assert_precision`` shows: under pytest the message only (every ``fmp.testing`` helper hides
+its frame); with ``grads=True`` a count of the leaves above the bound and the five worst; a leaf with a tiny
+reference gradient judged by absolute error."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 from _helpers.common import ROOT
 
+import fmp.testing
 from fmp.testing import assert_precision
 
 
@@ -51,6 +53,18 @@ def test_a_pytest_failure_shows_the_message_and_no_fmp_source(tmp_path):
     # no line of fmp's own source, and no repr of the arguments (the parameters' arrays)
     assert "fmp/" not in out and "fmp\\" not in out, out
     assert "report = explain(" not in out and "Array(" not in out and "__tracebackhide__" not in out, out
+
+
+@pytest.mark.parametrize("name", fmp.testing.__all__)
+def test_every_assert_helper_hides_its_frame_from_pytest(name):
+    # the argument checks fail before any tracing: pytest's own filter must drop fmp.testing's frame
+    bad = {"assert_precision": ("mixed_bfloat16", {"max_error": "big"}), "assert_plan": ({}, {})}
+    second, kwargs = bad[name]
+    with pytest.raises(TypeError, match=name) as err:
+        getattr(fmp.testing, name)(jnp.tanh, second, jnp.ones(2), **kwargs)
+    ours = str(ROOT / "fmp" / "testing.py")
+    assert ours in [str(entry.path) for entry in err.traceback]
+    assert ours not in [str(entry.path) for entry in err.traceback.filter(err)]
 
 
 def _attention():

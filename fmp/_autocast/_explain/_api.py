@@ -19,7 +19,7 @@ from fmp._core._dtypes import INIT_SCALE
 from fmp._core._renamed import NOT_GIVEN, renamed_argument
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
-from fmp._policy import Policy
+from fmp._policy import Policy, ResolvedPolicy
 from fmp._report._float8_choice import choose
 from fmp._report._records import Report
 from fmp._scaling._scaler import GradScaler
@@ -152,6 +152,20 @@ def explain(
     if not callable(fn):
         raise TypeError(f"explain(fn) expects a callable, got {type(fn).__name__}")
     config = configure(policy, rules, overrides)
+    return explain_resolved(fn, config, float8_state, compare, grads, argnums, loss_scale)
+
+
+def explain_resolved(
+    fn: Callable[..., Any],
+    config: ResolvedPolicy,
+    float8_state: Float8State | None = None,
+    compare: bool = False,
+    grads: bool = False,
+    argnums: int | Sequence[int] = 0,
+    loss_scale: float | GradScaler | None = None,
+) -> Callable[..., Report]:
+    """``explain(fn, ...)`` of a policy already resolved (`fmp.testing.assert_precision` resolves it once for
+    its explain and its autocast); validates the other arguments as ``explain`` does."""
     if not isinstance(compare, bool):
         raise TypeError(f"explain(compare=...) expects True or False, got {compare!r}")
     if compare and float8_state is not None:
@@ -220,4 +234,4 @@ def _grad_args(compare: bool, grads: bool, argnums: Any, loss_scale: Any, policy
     return argnums, loss_scale
 
 
-__all__ = ["explain", "flops"]
+__all__ = ["explain", "explain_resolved", "flops"]
