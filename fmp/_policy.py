@@ -13,7 +13,7 @@ import numpy as np
 from fmp._core import _dtypes
 from fmp._core._renamed import NOT_GIVEN, renamed_argument, warn_renamed
 from fmp._core._rules import RuleSet
-from fmp._float8._recipe import SCALING_ALIASES, SCALINGS, Float8Recipe, as_recipe
+from fmp._float8._recipe import SCALING_ALIASES, SCALINGS, Float8Recipe, as_recipe, recipe_from_spec
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ _MSG_SPEC_FORMAT = (
     "A policy spec is a preset ({presets}), a single dtype (all three fields), or comma-separated "
     "key=dtype pairs with keys {keys}, e.g. 'params=float32,compute=bfloat16,output=float32' "
     "or 'p=f32,c=bf16,o=f32' (add float8=tensorwise|rowwise|blockwise|delayed|mxfp8|mxfp4|nvfp4 for float8 or "
-    "block-scaled matmuls). "
+    "block-scaled matmuls, with recipe options in parentheses: float8=delayed(history_len=1024,margin=1)). "
     "Accepted dtypes: {dtypes}."
 )
 _MSG_UNKNOWN_KEY = "get_policy(spec): unknown key {key!r} in {token!r}{hint}; the accepted keys are {keys}. {help}"
@@ -102,9 +102,10 @@ class Policy:
       param_dtype: dtype parameters are stored in.
       compute_dtype: dtype matrix products and convolutions run in.
       output_dtype: dtype of the outputs of a policy-wrapped function.
-      float8: Optional float8 recipe (a ``fmp.Float8Recipe`` or a scaling name
-        such as ``"tensorwise"``): matmuls and convolutions (the rule table's
-        ``float8`` category) then run in float8, everything else as without it.
+      float8: Optional float8 recipe (a ``fmp.Float8Recipe``, a scaling name
+        such as ``"tensorwise"``, or a recipe's string form such as ``"rowwise(pow2_scales=false)"``):
+        matmuls and convolutions (the rule table's ``float8`` category) then run in float8, everything
+        else as without it. ``str(policy)`` names every recipe option that differs from its defaults.
       fp8: Deprecated name of ``float8`` (warns; removed in the next release).
 
     Raises:
@@ -119,6 +120,8 @@ class Policy:
       dtype(bfloat16)
       >>> fmp.Policy("f32", "bf16", "f32", float8="rowwise") == fmp.get_policy("p=f32,c=bf16,o=f32,float8=rowwise")
       True
+      >>> str(fmp.Policy("f32", "bf16", "f32", float8=fmp.Float8Recipe("delayed", margin=1)))
+      'params=float32,compute=bfloat16,output=float32,float8=delayed(margin=1)'
     """
 
     param_dtype: Any
@@ -219,14 +222,15 @@ def get_policy(spec: str | Policy) -> Policy:
       ``compute``/``c``, ``output``/``o`` (jmp's; no other spelling); dtypes
       ``float16``/``f16``/``half``, ``bfloat16``/``bf16``, ``float32``/``f32``/``full``, ``float64``/``f64``;
       and ``float8=<scaling>`` (``tensorwise``, ``rowwise``, ``blockwise``,
-      ``delayed``, ``mxfp8``, ``mxfp4``, ``nvfp4``) for float8 or block-scaled matmuls;
+      ``delayed``, ``mxfp8``, ``mxfp4``, ``nvfp4``) for float8 or block-scaled matmuls, with any
+      `fmp.Float8Recipe` options in parentheses (``float8=rowwise(pow2_scales=false)``);
     * ``"mixed_float8"``: the ``mixed_bfloat16`` dtypes with tensorwise float8
       matmuls (see ``fmp.Float8Recipe``); ``"mixed_mxfp8"``, ``"mixed_mxfp4"`` and ``"mixed_nvfp4"``:
       the same with matmuls in a block-scaled format (``float8=mxfp8`` ...; see `fmp.quantize`).
 
     Unspecified fields: ``params`` defaults to float32, ``compute`` to
     ``params``, and ``output`` to ``params`` (outputs return to the full type).
-    ``str(policy)`` gives a spec that parses back to an equal policy.
+    ``str(policy)`` gives a spec that parses back to an equal policy (a recipe's options included).
 
     Raises:
       ValueError: naming the bad token and listing what is accepted.
@@ -237,6 +241,8 @@ def get_policy(spec: str | Policy) -> Policy:
       Policy(param_dtype=dtype('float32'), compute_dtype=dtype(bfloat16), output_dtype=dtype('float32'), float8=None)
       >>> fmp.get_policy(str(fmp.get_policy("mixed_float16"))) == fmp.get_policy("mixed_float16")
       True
+      >>> fmp.get_policy("p=f32,c=bf16,float8=delayed(history_len=1024,pow2_scales=false)").float8
+      Float8Recipe(scaling='delayed', pow2_scales=False, history_len=1024)
     """
     if isinstance(spec, Policy):
         return spec
@@ -257,7 +263,8 @@ def get_policy(spec: str | Policy) -> Policy:
             raise ValueError(f"get_policy(spec): unknown preset or dtype {text!r}. {_spec_help()}")
         return Policy(name, name, name)
     fields: dict[str, str] = {}
-    for token in text.split(","):
+    recipes: dict[str, Float8Recipe] = {}
+    for token in _entries(text):
         token = token.strip()
         if not token:
             raise ValueError(f"get_policy(spec): empty entry in {spec!r} (check the commas). {_spec_help()}")
@@ -270,17 +277,21 @@ def get_policy(spec: str | Policy) -> Policy:
             field = "float8"
         if field is None:
             raise ValueError(_unknown_key(key.strip(), token))
-        if field in fields:
+        if field in fields or field in recipes:
             keys = _KEY_SPELLINGS[field]  # the public spellings: the field name "param" is not a key
             spelled = repr(keys[0]) + (f" (or {keys[1]!r})" if len(keys) > 1 else "")
             raise ValueError(f"get_policy(spec): {spelled} is given twice (in {token!r}). {_spec_help()}")
         if field == "float8":
-            if value.strip().lower() not in (*SCALINGS, *SCALING_ALIASES):
+            scaling = value.partition("(")[0].strip().lower()
+            if scaling not in (*SCALINGS, *SCALING_ALIASES):
                 raise ValueError(
-                    f"get_policy(spec): unknown float8 scaling {value.strip()!r} in {token!r} "
+                    f"get_policy(spec): unknown float8 scaling {scaling!r} in {token!r} "
                     f"(accepted: {', '.join(SCALINGS)}). {_spec_help()}"
                 )
-            fields[field] = value.strip().lower()
+            try:
+                recipes[field] = recipe_from_spec(value)
+            except ValueError as err:
+                raise ValueError(f"get_policy(spec): {err} (in {token!r})") from None
             continue
         name = _dtypes.canonical_name(value)
         if name is None:
@@ -289,7 +300,19 @@ def get_policy(spec: str | Policy) -> Policy:
     param = fields.get("param", "float32")
     compute = fields.get("compute", param)
     output = fields.get("output", param)
-    return Policy(param, compute, output, float8=fields.get("float8"))
+    return Policy(param, compute, output, float8=recipes.get("float8"))
+
+
+def _entries(text: str) -> list[str]:
+    """A spec's comma-separated entries; a float8 recipe's options (``float8=delayed(margin=1,...)``) keep
+    their commas."""
+    entries, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            entries.append(text[start:i])
+            start = i + 1
+    return [*entries, text[start:]]
 
 
 @dataclasses.dataclass(frozen=True)

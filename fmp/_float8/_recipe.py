@@ -186,8 +186,22 @@ class Float8Recipe:
         if self.output not in ("compute", "float32"):
             raise ValueError(f"Float8Recipe(output=...) must be 'compute' or 'float32', got {self.output!r}")
 
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from the defaults of this recipe's scaling (``grad_dtype``'s default is
+        the scaling's own: e4m3 for the block-scaled formats, e5m2 for the others)."""
+        default = Float8Recipe(self.scaling)
+        names = [f.name for f in dataclasses.fields(self) if f.name != "scaling"]
+        return {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
+
     def __str__(self) -> str:
-        return self.scaling
+        """The scaling, with every field that differs from its defaults: ``"delayed(history_len=1024,margin=1)"``
+        (the form a policy spec's ``float8=`` takes; `recipe_from_spec` reads it back)."""
+        changed = ",".join(f"{n}={_spell(v)}" for n, v in self.changed().items())
+        return f"{self.scaling}({changed})" if changed else self.scaling
+
+    def __repr__(self) -> str:
+        changed = "".join(f", {n}={v!r}" for n, v in self.changed().items())
+        return f"Float8Recipe(scaling={self.scaling!r}{changed})"
 
     @classmethod
     def from_peer(cls, name: str, **changes: Any) -> Float8Recipe:
@@ -223,12 +237,56 @@ class Float8Recipe:
         return cls(**{**PEER_RECIPES[key], **changes})
 
 
+def _spell(value: object) -> str:
+    """A field's value as a recipe spec writes it (``false``, ``none``, ``1024``, ``float8_e4m3fn``)."""
+    return str(value).lower() if value is None or isinstance(value, bool) else str(value)
+
+
+# how a recipe spec's option values read back, per field (the other fields take their text as it is)
+_WORDS = {"true": True, "false": False}
+_READ: dict[str, Any] = {
+    **dict.fromkeys(("block_size", "history_len", "margin"), int),
+    **dict.fromkeys(("pow2_scales", "activations"), _WORDS.__getitem__),
+    "emulate": {**_WORDS, "none": None}.__getitem__,
+}
+_MSG_OPTION = (
+    "float8 recipe {spec!r}: {what}. Options follow the scaling in parentheses as field=value pairs, e.g. "
+    "'rowwise(pow2_scales=false,grad_dtype=float8_e4m3fn)' or 'delayed(history_len=1024)'; the fields: {fields}."
+)
+
+
+def recipe_from_spec(spec: str) -> Float8Recipe:
+    """A recipe's string form (``str(recipe)``: ``"rowwise"``, ``"delayed(history_len=1024,margin=1)"``) ->
+    the recipe. Raises ValueError naming the bad option."""
+    head, paren, rest = spec.strip().partition("(")
+    fields = [f.name for f in dataclasses.fields(Float8Recipe) if f.name != "scaling"]
+
+    def bad(what: str) -> ValueError:
+        return ValueError(_MSG_OPTION.format(spec=spec, what=what, fields=", ".join(fields)))
+
+    if paren and not rest.endswith(")"):
+        raise bad("the options' parenthesis is not closed at the end")
+    options: dict[str, Any] = {}
+    for token in rest[:-1].split(",") if paren else ():
+        key, sep, text = (part.strip() for part in token.partition("="))
+        if not sep or key not in fields:
+            raise bad(f"{token.strip()!r} is not field=value with a field of Float8Recipe")
+        if key in options:
+            raise bad(f"{key!r} is given twice")
+        try:
+            options[key] = _READ.get(key, str.lower)(text.lower())
+        except (KeyError, ValueError):
+            raise bad(f"{key}={text!r} is not a value {key} takes") from None
+    return Float8Recipe(head.strip(), **options)
+
+
 def as_recipe(value: object) -> Float8Recipe | None:
-    """``None``, a recipe, or a scaling name -> ``Float8Recipe | None``."""
+    """``None``, a recipe, or a recipe's string form (``"rowwise"``, ``"delayed(margin=1)"``) ->
+    ``Float8Recipe | None``."""
     if value is None or isinstance(value, Float8Recipe):
         return value
     if isinstance(value, str):
-        return Float8Recipe(value)
+        return recipe_from_spec(value)
     raise TypeError(
         f"Policy float8 must be None, a scaling name ('tensorwise', 'rowwise', ...) or an fmp.Float8Recipe, "
         f"got {type(value).__name__}"

@@ -188,3 +188,53 @@ def test_cast_is_jittable_and_keeps_structure():
 def test_cast_tree_rejects_bad_dtype():
     with pytest.raises(ValueError, match="dtype"):
         fmp.cast_tree(jnp.ones(2), "int32")
+
+
+# every recipe field set away from its scaling's default, one recipe per scaling and a peer's
+RECIPES = [
+    fmp.Float8Recipe("tensorwise", pow2_scales=False, output="float32", activations=True, emulate=False),
+    fmp.Float8Recipe("rowwise", grad_dtype="float8_e4m3fn", emulate=True),
+    fmp.Float8Recipe("blockwise", block_size=64),
+    fmp.Float8Recipe("delayed", history_len=1024, margin=2, amax_compute_algo="most_recent"),
+    fmp.Float8Recipe("mxfp8", grad_dtype="float8_e5m2", scale_rounding="floor"),
+    fmp.Float8Recipe("nvfp4"),
+    fmp.Float8Recipe.from_peer("te_delayed"),
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=str)
+def test_str_and_repr_name_every_recipe_option_and_round_trip(recipe):
+    policy = fmp.Policy("f32", "bf16", "f32", float8=recipe)
+    default = fmp.Float8Recipe(recipe.scaling)
+    changed = {f for f in recipe.__dataclass_fields__ if getattr(recipe, f) != getattr(default, f)}
+    for field in changed:
+        assert f"{field}=" in str(policy) and f"{field}=" in repr(policy), (field, str(policy))
+    assert fmp.get_policy(str(policy)) == policy  # the spec states what runs, options included
+    assert fmp.Policy("f32", "bf16", "f32", float8=str(recipe)) == policy
+    assert eval(repr(recipe), {"Float8Recipe": fmp.Float8Recipe}) == recipe  # noqa: S307
+    assert fmp.get_policy(f"float8={recipe},c=bf16,o=f32") == policy  # the options keep their commas
+
+
+def test_a_recipe_at_its_defaults_prints_its_scaling_alone():
+    assert str(fmp.get_policy("mixed_float8")) == "params=float32,compute=bfloat16,output=float32,float8=tensorwise"
+    # mxfp8's default gradients are e4m3, the per-tensor recipes' e5m2: each is its scaling's default
+    assert str(fmp.Float8Recipe("mxfp8", grad_dtype="float8_e4m3fn")) == "mxfp8"
+    assert str(fmp.Float8Recipe("rowwise", grad_dtype="float8_e4m3fn")) == "rowwise(grad_dtype=float8_e4m3fn)"
+    assert repr(fmp.Float8Recipe("mx")) == "Float8Recipe(scaling='mxfp8')"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("float8=rowwise(pow2=false)", r"'pow2=false' is not field=value with a field of Float8Recipe"),
+        ("float8=rowwise(margin=x)", r"margin='x' is not a value margin takes"),
+        ("float8=rowwise(pow2_scales=yes)", r"pow2_scales='yes' is not a value pow2_scales takes"),
+        ("float8=delayed(margin=1,margin=2)", r"'margin' is given twice"),
+        ("float8=delayed(margin=1", r"parenthesis is not closed"),
+        ("float8=delayed(margin=100)", r"Float8Recipe\(margin=...\) must be an int from 0 to 64"),
+        ("float8=e3m4(margin=1)", r"unknown float8 scaling 'e3m4'"),
+    ],
+)
+def test_bad_recipe_options_name_the_option(spec, message):
+    with pytest.raises(ValueError, match=r"get_policy\(spec\): .*" + message):
+        fmp.get_policy(spec)
