@@ -55,10 +55,11 @@ def _float8(scaling: str) -> Format:
 
 def _block(name: str) -> Format:
     """A block-scaled format (``fmp._core._dtypes.BLOCK_FORMATS``): its elements and one 8-bit scale per block;
-    torchao's size rule for finer-than-tensor scales (its rowwise boxes, ``FAMILY["mx"]``) says where it pays."""
+    its scaling is its name, as a recipe and a float8 row name it; torchao's size rule for finer-than-tensor
+    scales (its rowwise boxes: ``FAMILY`` maps the format there) says where it pays."""
     f = BLOCK_FORMATS[name]
     element_bits = 8 if f.element.startswith("float8") else 4
-    return Format(name, f"mixed_{name}", name, element_bits + 8 / f.block, 2.0 ** -(f.mbits + 1), "mx")
+    return Format(name, f"mixed_{name}", name, element_bits + 8 / f.block, 2.0 ** -(f.mbits + 1), name)
 
 
 # every format a plan knows, cheapest kind first; ``float8`` is tensorwise, fmp's default recipe

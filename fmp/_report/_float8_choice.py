@@ -21,7 +21,9 @@ input features and ``N`` its output features, a layer stays in bfloat16 when ``K
 of 16 (the float8 GEMM's requirement), under tensorwise scaling when ``K <= 4096 and N <= 1024``, under
 rowwise scaling when ``N <= 2048``, ``K <= 1024``, or ``K <= 2048 and N <= 4096``. ``M`` (tokens) does not
 enter, as in torchao's filter. fmp applies the tensorwise thresholds to its ``delayed`` recipe (per-tensor
-scales) and the rowwise ones to ``blockwise`` and ``mx`` (finer scales, no published rule). Transformer
+scales) and the rowwise ones to ``blockwise`` and the block-scaled formats ``mxfp8``, ``mxfp4`` and ``nvfp4``
+(finer scales, no published rule); a mark on such a matmul names its own scaling and the rule it borrows
+(``"nvfp4 (rowwise rule): N <= 2048"``). Transformer
 Engine's "GEMM Speedups Across Precisions" page says the same in general: the speedup, quantisation included,
 depends on the model's matrix dimensions. fmp's own measurement agrees: on an H200, GPT-2 small (d = 768,
 every matmul small by this rule under rowwise, two of four per block under tensorwise) ran its float8 step
@@ -57,9 +59,8 @@ SMALL_BOXES: dict[str, tuple[tuple[float, float], ...]] = {
     "tensorwise": ((4096, 1024),),
     "rowwise": ((_INF, 2048), (1024, _INF), (2048, 4096)),
 }
-# fmp's recipes by the torchao rule they follow
+# fmp's recipes (a Float8Recipe's scaling, as a float8 row's detail names it) by the torchao rule they follow
 FAMILY = {"tensorwise": "tensorwise", "delayed": "tensorwise", "rowwise": "rowwise", "blockwise": "rowwise"}
-FAMILY["mx"] = "rowwise"
 FAMILY.update(dict.fromkeys(BLOCK_FORMATS, "rowwise"))  # mxfp8, mxfp4, nvfp4: blocks finer than rows
 ALIGN = 16  # the float8 GEMM takes K and N in multiples of this
 
@@ -69,21 +70,30 @@ def _box_text(k_max: float, n_max: float) -> str:
     return " and ".join(p for p in parts if p)
 
 
-def rule_text(family: str) -> str:
-    """The size rule of a scaling family in words: ``"tensorwise: K <= 4096 and N <= 1024"``."""
-    return f"{family}: " + ", or ".join(_box_text(*box) for box in SMALL_BOXES[family])
+def _ran(family: str, scalings: Iterable[str]) -> str:
+    """What ran, and the rule it follows where that is another scaling's: ``"rowwise"``, ``"nvfp4 (rowwise
+    rule)"``, ``"blockwise, mxfp8 (rowwise rule)"``."""
+    names = sorted(set(scalings))
+    return family if names == [family] else f"{', '.join(names)} ({family} rule)"
+
+
+def rule_text(family: str, scalings: Iterable[str] = ()) -> str:
+    """The size rule of a scaling family in words, naming the ``scalings`` that follow it (the family alone
+    by default): ``"tensorwise: K <= 4096 and N <= 1024"``, ``"nvfp4 (rowwise rule): N <= 2048, or ..."``."""
+    return f"{_ran(family, scalings or (family,))}: " + ", or ".join(_box_text(*box) for box in SMALL_BOXES[family])
 
 
 def too_small(k: int, n: int, scaling: str) -> str:
     """Why a ``K x N`` weight's float8 matmul does not pay on a GPU under ``scaling`` (an fmp recipe's scaling
     or its family), ``""`` when it pays: ``"K or N not a multiple of 16"``, or the box of torchao's size rule
-    that holds it (``"tensorwise: K <= 4096 and N <= 1024"``)."""
+    that holds it, named by what ran (``"tensorwise: K <= 4096 and N <= 1024"``, ``"nvfp4 (rowwise rule):
+    N <= 2048"``)."""
     if k % ALIGN or n % ALIGN:
         return f"K or N not a multiple of {ALIGN}"
     family = FAMILY.get(scaling, scaling)
     for k_max, n_max in SMALL_BOXES.get(family, ()):
         if k <= k_max and n <= n_max:
-            return f"{family}: {_box_text(k_max, n_max)}"
+            return f"{_ran(family, (scaling,))}: {_box_text(k_max, n_max)}"
     return ""
 
 
@@ -160,8 +170,10 @@ def size_line(records: Sequence[OpRecord]) -> str:
     small = [r for r in sized if r.float8_too_small]
     if not sized:
         return ""
-    families = sorted({FAMILY.get(scaling_of(r), scaling_of(r)) for r in sized} & set(SMALL_BOXES))
-    rules = "; ".join(rule_text(f) for f in families) or "none published"
+    ran: dict[str, set[str]] = {}  # each family's scalings in the report
+    for r in sized:
+        ran.setdefault(FAMILY.get(scaling_of(r), scaling_of(r)), set()).add(scaling_of(r))
+    rules = "; ".join(rule_text(f, ran[f]) for f in sorted(ran.keys() & SMALL_BOXES.keys())) or "none published"
     head = f"{len(small)} of {len(sized)} float8 matmuls are below the size where float8 pays on a GPU"
     rule = f"(torchao's rule from H100 timings, K x N of the weight: {rules}; or not multiples of {ALIGN})"
     if not small:

@@ -38,6 +38,13 @@ def test_tiny_gemms_stay_in_bfloat16_by_the_size_rule_on_h100():
     assert rowwise.left_out == (("float8_rowwise", "does not pay (rowwise: N <= 2048)"),)
 
 
+def test_a_block_scaled_format_left_out_by_the_size_rule_is_named_with_the_rule_it_follows():
+    fmts = formats_of(("mxfp8", "nvfp4", "bfloat16"))
+    c = candidates(Site("mlp", ((8192, 4096, 2048),)), fmts, DEVICES["b200"], True)
+    rule = "(rowwise rule): N <= 2048"
+    assert c.left_out == (("mxfp8", f"does not pay (mxfp8 {rule})"), ("nvfp4", f"does not pay (nvfp4 {rule})"))
+
+
 def test_a_device_without_a_format_does_not_offer_it():
     table = device_of({"peak": {"float32": 1e13, "bfloat16": 1e14}, "bandwidth": 1e12, "size_rule": False})
     c = candidates(Site("mlp", ((8192, 8192, 8192),)), formats_of(("float8", "bfloat16", "float32")), table, False)

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import pytest
 
 import fmp
-from fmp._core._dtypes import UNIT_ROUNDOFF
+from fmp._core._dtypes import BLOCK_FORMATS, UNIT_ROUNDOFF
+from fmp._float8._recipe import SCALINGS
 from fmp._report._compare import FAR
-from fmp._report._float8_choice import STANDS_OUT, too_small
+from fmp._report._float8_choice import FAMILY, STANDS_OUT, too_small
 from fmp._report._records import OpRecord
 
 D, V, T = 64, 128, 64
@@ -143,6 +144,25 @@ def test_the_size_rule_says_which_box_holds_a_shape():
     assert too_small(768, 768, "tensorwise") == "tensorwise: K <= 4096 and N <= 1024"
     assert too_small(8192, 2048, "rowwise") == "rowwise: N <= 2048"
     assert too_small(1000, 8192, "rowwise") == "K or N not a multiple of 16"
+    # a recipe without a published rule of its own: what ran, and the rule it follows
+    assert too_small(768, 768, "delayed") == "delayed (tensorwise rule): K <= 4096 and N <= 1024"
+    assert too_small(8192, 2048, "nvfp4") == "nvfp4 (rowwise rule): N <= 2048"
+
+
+def test_every_scaling_a_row_can_name_has_a_size_rule_family():
+    # a float8 row's detail names its recipe's scaling ("mx" is read as "mxfp8" and never reaches a row)
+    assert set(SCALINGS) <= set(FAMILY) and "mx" not in FAMILY
+    assert set(FAMILY) <= set(SCALINGS) | set(BLOCK_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_block_scaled_report_names_the_format_that_ran_in_its_size_mark(fmt):
+    rep = fmp.explain(wide, f"mixed_{fmt}")(WIDE, jnp.ones((8, 64)))  # K = 64, N = 1040; K = 1040, N = 64
+    rows = _float8(rep)
+    assert {r.detail for r in rows.values()} == {fmt}
+    assert rows["up"].float8_too_small == f"{fmt} (rowwise rule): N <= 2048"
+    assert rows["down"].float8_too_small == f"{fmt} (rowwise rule): N <= 2048"
+    assert f"K x N of the weight: {fmt} (rowwise rule): N <= 2048, or K <= 1024" in " ".join(str(rep).split())
 
 
 def wide(p, x):
