@@ -189,7 +189,7 @@ class Float8Recipe:
     def changed(self) -> dict[str, Any]:
         """The fields that differ from the defaults of this recipe's scaling (``grad_dtype``'s default is
         the scaling's own: e4m3 for the block-scaled formats, e5m2 for the others)."""
-        default = Float8Recipe(self.scaling)
+        default = type(self)(self.scaling)  # a subclass's own fields too
         names = [f.name for f in dataclasses.fields(self) if f.name != "scaling"]
         return {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
 
