@@ -98,6 +98,19 @@ def test_autocast_rooms_stand_on_each_other_in_order():
                     assert not top_level, (path, name)
 
 
+def test_fx_rewrite_side_never_imports_its_explain_room():
+    # torch/_fx: trace, rewrite, casts, values, float8 and prepare below; explain and compare (_explain/) on them
+    pkg = ROOT / "fmp" / "torch" / "_fx"
+    for path in pkg.glob("*.py"):
+        for name in _imports(path):
+            assert not name.startswith("fmp.torch._fx._explain"), (path, name)
+    room = {n for path in (pkg / "_explain").glob("*.py") for n in _imports(path) if n.startswith("fmp.torch._fx.")}
+    assert {n.split(".")[3] for n in room} <= {"_common", "_float8", "_nested", "_prepare", "_explain"}, room
+    # the runs below the comparison: _runner imports neither _compare nor _api
+    runner = _imports(pkg / "_explain" / "_runner.py")
+    assert not [n for n in runner if n.startswith("fmp.torch._fx._explain")], runner
+
+
 def test_autocast_engine_forms_no_cycle():
     # the interpreter (_interp on _context and _cast, with _rows and _provenance) at the bottom of the engine
     pkg = ROOT / "fmp" / "_autocast" / "_engine"

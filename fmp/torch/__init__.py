@@ -17,8 +17,8 @@ from fmp.torch._custom import custom_bwd as custom_bwd
 from fmp.torch._custom import custom_fwd as custom_fwd
 from fmp.torch._fx._api import autocast_fx as autocast_fx
 from fmp.torch._fx._api import autocast_graph as autocast_graph
-from fmp.torch._fx._explain import explain_fx as explain_fx
-from fmp.torch._fx._explain import explain_graph as explain_graph
+from fmp.torch._fx._explain._api import explain_fx as explain_fx
+from fmp.torch._fx._explain._api import explain_graph as explain_graph
 from fmp.torch._plan import plan_fx as plan_fx
 from fmp.torch._scaler._grad_scaler import GradScaler as GradScaler
 from fmp.torch._scaler._sharded import ShardedGradScaler as ShardedGradScaler

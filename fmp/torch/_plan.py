@@ -16,7 +16,7 @@ from fmp._plan._plan import Plan, check_budget, make_plan
 from fmp._plan._search import Assignment, Measured, policy_and_overrides
 from fmp._plan._sites import sites_of
 from fmp.torch._fx._api import autocast_fx
-from fmp.torch._fx._explain import explain_fx
+from fmp.torch._fx._explain._api import explain_fx
 
 
 def plan_fx(

@@ -76,8 +76,8 @@ torch = pytest.importorskip("torch")
 def torch_calls(monkeypatch):
     import fmp.torch._policy as torch_policy
     from fmp.torch._fx import _api as fx_api
-    from fmp.torch._fx import _explain as fx_explain
     from fmp.torch._fx import _prepare
+    from fmp.torch._fx._explain import _api as fx_explain
 
     calls = collections.Counter()
     _count(monkeypatch, calls, _prepare, "fx_policy")

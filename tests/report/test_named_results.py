@@ -47,7 +47,7 @@ def test_no_unnamed_result_of_any_types():
 def test_torch_compare_fills_its_rows_through_the_core(monkeypatch):
     torch = pytest.importorskip("torch")
     import fmp.torch
-    from fmp.torch._fx import _compare as torch_compare
+    from fmp.torch._fx._explain import _compare as torch_compare
 
     calls = []
 

@@ -15,8 +15,9 @@ from fmp._policy import ResolvedPolicy
 from fmp._report._float8_choice import choose
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
-from fmp.torch._fx import _compare
 from fmp.torch._fx._common import Event, float_names, module_path, node_source
+from fmp.torch._fx._explain import _compare
+from fmp.torch._fx._explain._runner import kept_buffers
 from fmp.torch._fx._float8 import float8_events
 from fmp.torch._fx._prepare import low_dtype, prepare, resolve_policy, rewrite
 
@@ -223,7 +224,7 @@ def explain_fx(
     if not compare:
         return Report(rows, name, "torch")
     leaves = pytree.tree_leaves(list(example_inputs))
-    with _compare.kept_buffers(module):
+    with kept_buffers(module):
         low = low_dtype(prep.policy)
         compared, (errors, baselines) = _compare.compare(bound, out, env, events, list(rows), leaves, rules, low)
         grad_errors = _compare.grad_errors(module, bound, out, example_inputs) if grads else {}

@@ -4,7 +4,7 @@ Two interpreters run side by side on the same inputs: one the traced graph as wr
 autocast: the reference), one the rewritten graph (the policy). The rewrite maps every node of the
 traced graph to the node that holds its value in the new graph, so each op's policy output meets its
 reference output as soon as both exist; the statistics are kept and both values are freed after their
-last use (no run keeps every intermediate). An op's own error runs the new graph's piece that computes
+last use (no run keeps every intermediate; the runs are ``_runner``'s). An op's own error runs the new graph's piece that computes
 it (the op and the casts its rule inserted, or a decomposition) on the reference inputs rounded as they
 reached it, against the op as written on the same rounded inputs. The statistics, the rounding, the blame
 and the fixes are the comparison core's (``fmp._report``), the JAX side's own, on ``TORCH_OPS``.
@@ -12,9 +12,8 @@ and the fixes are the comparison core's (``fmp._report``), the JAX side's own, o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,14 +26,9 @@ from fmp._report import _compare as core
 from fmp._report._blame import Job, fill_rows
 from fmp._report._grads import GradError, grad_error
 from fmp._report._records import OpRecord
-from fmp.torch._fx._common import TO_COPY, Event, ambient_autocast, float_names
-from fmp.torch._fx._nested import ENTER_AUTOCAST, EXIT_AUTOCAST
+from fmp.torch._fx._common import TO_COPY, Event, float_names
+from fmp.torch._fx._explain._runner import Runner, check_random, clone
 
-_SKIP = (torch._C._set_grad_enabled,)  # grad mode switches: the forward comparison runs without autograd
-_MSG_RANDOM = (
-    "explain_fx(compare=True) runs the program twice and needs the same random numbers in both runs, but "
-    "node {node!r} ({op}) draws its own: call model.eval() (dropout off) or compare a program without it."
-)
 _MSG_LOSS = (
     "explain_fx(grads=True) differentiates the program's output, which must be one floating scalar (the "
     "loss); got {got}. Wrap the model in a module whose forward returns the loss (a Hugging Face model: "
@@ -78,115 +72,12 @@ def output_stats(outs: Any, refs: Any) -> core.Stats:
     return core.output_stats(TORCH_OPS, pytree.tree_leaves(outs), pytree.tree_leaves(refs))
 
 
-class _Runner:
-    """Runs one graph node by node on real tensors; a value is freed one step after its last use."""
-
-    def __init__(self, gm: torch.fx.GraphModule, leaves: Sequence[Any], regions: bool) -> None:
-        self.interp = torch.fx.Interpreter(gm, garbage_collect_values=False)
-        self.interp.args_iter = iter(leaves)
-        self.env: dict[torch.fx.Node, Any] = self.interp.env
-        self.nodes = iter(gm.graph.nodes)
-        self.regions: list[dict[str, tuple[bool, torch.dtype]]] | None = [] if regions else None
-        self.dead: list[torch.fx.Node] = []
-        self.overwritten: dict[torch.fx.Node, Any] = {}  # inputs of the last in-place op, as they were before it
-        self.last: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-        seen: set[torch.fx.Node] = set()
-        for node in reversed(gm.graph.nodes):
-            for inp in node.all_input_nodes:
-                if inp not in seen:
-                    seen.add(inp)
-                    self.last.setdefault(node, []).append(inp)
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The autocast state the graph's own regions (``with torch.autocast(...)``) have opened."""
-        return ambient_autocast(self.regions[-1]) if self.regions else contextlib.nullcontext()
-
-    def until(self, target: torch.fx.Node) -> bool:
-        """Runs up to and including ``target``; False when it ran before (its value may be gone)."""
-        if target in self.env:
-            return True
-        for node in self.nodes:
-            for old in self.dead:
-                self.env.pop(old, None)
-            self.dead = self.last.get(node, [])
-            self.env[node] = self._run(node)
-            if node is target:
-                return True
-        return False
-
-    def _run(self, node: torch.fx.Node) -> Any:
-        if node.op == "output":
-            return None
-        if node.op == "call_function" and node.target in _SKIP:
-            return None
-        if self.regions is not None and node.target is ENTER_AUTOCAST:
-            device, dtype, enabled = node.args[0], node.args[1], node.args[2]
-            state = dict(self.regions[-1]) if self.regions else {}
-            state[device] = (bool(enabled), dtype if dtype is not None else torch.get_autocast_dtype(device))
-            self.regions.append(state)
-            return None
-        if self.regions is not None and node.target is EXIT_AUTOCAST:
-            if self.regions:
-                self.regions.pop()
-            return None
-        self.overwritten = {}
-        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
-            written = [
-                a.name for a in node.target._schema.arguments if a.alias_info is not None and a.alias_info.is_write
-            ]
-            named = dict(zip([a.name for a in node.target._schema.arguments], node.args, strict=False))
-            named.update(node.kwargs)
-            for name in written:
-                if isinstance(named.get(name), torch.fx.Node) and named[name] in self.env:
-                    self.overwritten[named[name]] = _clone(self.env[named[name]])
-        with self.autocast():
-            return self.interp.run_node(node)
-
-    def before(self, node: torch.fx.Node) -> Any:
-        """The value of ``node`` before the op just run wrote over it in place."""
-        return self.overwritten[node] if node in self.overwritten else self.env[node]
-
-
-def check_random(graph: torch.fx.Graph) -> None:
-    """Refuses a graph that draws random numbers (dropout in training mode, ``torch.rand``)."""
-    for node in graph.nodes:
-        op = node.target
-        if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
-            continue
-        schema = op._schema.arguments
-        named = {a.name: a.default_value for a in schema if a.has_default_value()}
-        named.update(zip([a.name for a in schema], node.args, strict=False))
-        named.update(node.kwargs)
-        p = named.get("p", named.get("dropout_p"))
-        if (p is not None and p == 0) or named.get("train") is False:
-            continue  # dropout with p=0 or in eval mode: no draw
-        raise ValueError(_MSG_RANDOM.format(node=node.name, op=op._schema.name))
-
-
-@contextlib.contextmanager
-def kept_buffers(module: torch.nn.Module | None) -> Iterator[None]:
-    """Restores the module's buffers (BatchNorm running statistics) after the comparison's runs."""
-    saved = {n: b.detach().clone() for n, b in module.named_buffers()} if module is not None else {}
-    try:
-        yield
-    finally:
-        if module is not None:
-            with torch.no_grad():
-                for n, b in module.named_buffers():
-                    if n in saved:
-                        b.copy_(saved[n])
-
-
 def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, torch.fx.Node) else n
 
 
 def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return node.all_input_nodes
-
-
-def _clone(x: Any) -> Any:
-    return torch.fx.node.map_aggregate(x, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
 
 
 def _alone(
@@ -204,7 +95,7 @@ def _alone(
         elif n.op == "call_function":
             args = torch.fx.node.map_arg((n.args, n.kwargs), value)
             if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-                args = _clone(args)
+                args = clone(args)
             memo[n] = n.target(*args[0], **args[1])
         else:
             raise LookupError(n.name)
@@ -239,8 +130,8 @@ def compare(
     casts = {ev.node for ev in events if ev.category == "cast"}
     rows = list(rows)
     jobs: list[Job[core.Stats]] = []
-    ref = _Runner(bound, [_clone(x) for x in leaves], regions=True)
-    pol = _Runner(new, [_clone(x) for x in leaves], regions=False)
+    ref = Runner(bound, [clone(x) for x in leaves], regions=True)
+    pol = Runner(new, [clone(x) for x in leaves], regions=False)
     done: set[torch.fx.Node] = set()
 
     def row_at(node: torch.fx.Node) -> OpRecord | None:  # the compared row of a node of ``bound``
@@ -277,7 +168,7 @@ def compare(
     return rows, ends
 
 
-def _output(gm: torch.fx.GraphModule, runner: _Runner) -> list[Any]:
+def _output(gm: torch.fx.GraphModule, runner: Runner) -> list[Any]:
     """The tensors a graph returns, from a run of it (run to the end here)."""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     runner.until(out)
@@ -292,12 +183,12 @@ def _rounded(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _ends(
-    bound: torch.fx.GraphModule, new: torch.fx.GraphModule, ref: _Runner, pol: _Runner, leaves: Sequence[Any], dtype
+    bound: torch.fx.GraphModule, new: torch.fx.GraphModule, ref: Runner, pol: Runner, leaves: Sequence[Any], dtype
 ) -> tuple[list[Any], list[Any]]:
     """Per output: the relative error of the policy run's value, and of the baseline's (the graph as written
     on its floating inputs and parameters rounded to ``dtype``), against the reference's."""
     refs, outs = _output(bound, ref), _output(new, pol)
-    base = _Runner(bound, [_rounded(_clone(x), dtype) for x in leaves], regions=True)
+    base = Runner(bound, [_rounded(clone(x), dtype) for x in leaves], regions=True)
     fetch = base.interp.fetch_attr
     base.interp.fetch_attr = lambda target: _rounded(fetch(target), dtype)  # parameters and buffers
     lows = _output(bound, base)
@@ -315,7 +206,7 @@ def grad_errors(
     grads = []
     for gm in (bound, new):
         with torch.enable_grad():
-            loss = gm(*_clone(list(inputs)))
+            loss = gm(*clone(list(inputs)))
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.dtype.is_floating_point):
                 got = f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
                 raise ValueError(_MSG_LOSS.format(got=got))

@@ -256,7 +256,7 @@ def test_buffers_and_inputs_are_left_as_they_were():
 def test_torch_and_jax_statistics_agree():
     jnp = pytest.importorskip("jax.numpy")
     from fmp._autocast._explain import _stats as js
-    from fmp.torch._fx import _compare as ts
+    from fmp.torch._fx._explain import _compare as ts
 
     rng = np.random.default_rng(0)
     for n in (100, 1 << 17):  # NumPy and compiled paths on the JAX side
@@ -282,17 +282,17 @@ def test_autocast_fx_float32_override_runs_the_module_as_written():
 
 
 def test_the_runs_stream_values_not_every_intermediate(monkeypatch):
-    from fmp.torch._fx import _compare
+    from fmp.torch._fx._explain._runner import Runner
 
     peak = []
-    until = _compare._Runner.until
+    until = Runner.until
 
     def counted(self, target):
         out = until(self, target)
         peak.append(sum(1 for n in self.env if n.op == "call_function"))  # parameters cost nothing
         return out
 
-    monkeypatch.setattr(_compare._Runner, "until", counted)
+    monkeypatch.setattr(Runner, "until", counted)
     lin = nn.Linear(16, 16)
 
     def deep(x):
