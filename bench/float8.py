@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fmp  # noqa: E402
 from bench.autocast import compile_once, fresh_medians, init_params, loss, run_all  # noqa: E402
-from fmp._float8._dot import fp8_dot_general  # noqa: E402
+from fmp._float8._dot import float8_dot_general  # noqa: E402
 
 POLICIES = {
     "float32": None,
@@ -94,10 +94,10 @@ def gpu_matmul(n: int = 8192, repeats: int = 20) -> None:
     dn = (((1,), (0,)), ((), ()))
     fns = {
         "bf16": jax.jit(lambda a, b: jax.lax.dot_general(a, b, dn, preferred_element_type=jnp.bfloat16)),
-        "fp8 tensorwise": jax.jit(lambda a, b: fp8_dot_general(a, b, dn, fmp.Float8Recipe(), jnp.bfloat16)),
-        "fp8 rowwise": jax.jit(lambda a, b: fp8_dot_general(a, b, dn, fmp.Float8Recipe("rowwise"), jnp.bfloat16)),
+        "fp8 tensorwise": jax.jit(lambda a, b: float8_dot_general(a, b, dn, fmp.Float8Recipe(), jnp.bfloat16)),
+        "fp8 rowwise": jax.jit(lambda a, b: float8_dot_general(a, b, dn, fmp.Float8Recipe("rowwise"), jnp.bfloat16)),
         "fp8 tensorwise, emulate=True": jax.jit(
-            lambda a, b: fp8_dot_general(a, b, dn, fmp.Float8Recipe(emulate=True), jnp.bfloat16)
+            lambda a, b: float8_dot_general(a, b, dn, fmp.Float8Recipe(emulate=True), jnp.bfloat16)
         ),
     }
     for name, f in fns.items():

@@ -143,7 +143,7 @@ def check_autocast_dtypes(torch, device: str) -> list[dict[str, Any]]:
     return out
 
 
-def check_fp8() -> list[dict[str, Any]]:
+def check_float8() -> list[dict[str, Any]]:
     out = []
     for name in ("float8_e4m3fn", "float8_e5m2"):
         dt = getattr(jnp, name, None)
@@ -168,7 +168,7 @@ def check_fp8() -> list[dict[str, Any]]:
 
 
 # --- timings ---------------------------------------------------------------------------------------------------
-def fp8_gemm_count(hlo: str) -> int:
+def float8_gemm_count(hlo: str) -> int:
     """Float8 matmuls in compiled HLO: cuBLAS-Lt float8 GEMM calls (``__cublas$lt$matmul$f8``) on a GPU, dots of
     float8 operands elsewhere; 0 where the operands were widened first."""
     return sum(1 for line in hlo.splitlines() if "matmul$f8" in line or (" dot(" in line and "f8e" in line))
@@ -279,7 +279,7 @@ def time_train_step(c: dict[str, int], iters: int) -> list[dict[str, Any]]:
         t = median_s(jitted, params, tokens, iters=iters)
         _, val = jitted(params, tokens)
         out.append({"variant": name, "step_ms": 1e3 * t, "tokens_per_s": c["batch"] * c["seq"] / t,
-                    "temp_MiB": temp, "loss": float(val), "fp8_gemms": fp8_gemm_count(hlo)})  # fmt: skip
+                    "temp_MiB": temp, "loss": float(val), "float8_gemms": float8_gemm_count(hlo)})  # fmt: skip
     base = out[0]["step_ms"]
     for r in out:
         r["speedup_vs_f32"] = base / r["step_ms"]
@@ -305,8 +305,8 @@ def markdown(res: dict[str, Any]) -> str:
     for r in res["train_step"]:
         temp = "n/a" if r["temp_MiB"] is None else f"{r['temp_MiB']:.0f}"
         lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['speedup_vs_f32']:.2f} | "
-                     f"{temp} | {r['loss']:.4f} | {r['fp8_gemms']} |")  # fmt: skip
-    lines += _gpu_torch_float8.markdown(res["torch_fp8"])
+                     f"{temp} | {r['loss']:.4f} | {r['float8_gemms']} |")  # fmt: skip
+    lines += _gpu_torch_float8.markdown(res["torch_float8"])
     return "\n".join(lines) + "\n"
 
 
@@ -330,11 +330,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}"}  # fmt: skip
     checks = [check_scaler_vs_torch(torch, tdev, 20 if args.smoke else 200)]
     checks += check_autocast_dtypes(torch, tdev)
-    checks += check_fp8()
-    torch_fp8 = _gpu_torch_float8.section(torch, tdev, args.smoke, iters)
-    checks += torch_fp8["checks"]
+    checks += check_float8()
+    torch_float8 = _gpu_torch_float8.section(torch, tdev, args.smoke, iters)
+    checks += torch_float8["checks"]
     res = {"smoke": args.smoke, "env": env, "checks": checks, "model": ", ".join(f"{k}={v}" for k, v in c.items()),
-           "scaler": time_scaler(c, iters), "train_step": time_train_step(c, iters), "torch_fp8": torch_fp8}  # fmt: skip
+           "scaler": time_scaler(c, iters), "train_step": time_train_step(c, iters), "torch_float8": torch_float8}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(res, indent=2))
     md = markdown(res)

@@ -20,7 +20,7 @@ from fmp._autocast._engine._context import Context, aval_of, float_names, source
 from fmp._core import _dtypes
 from fmp._core._dtypes import BLOCK_FORMATS
 from fmp._core._rules import Category
-from fmp._float8 import _bind as _fp8
+from fmp._float8 import _bind
 from fmp._float8._block_dot import block_stats
 from fmp._float8._recipe import BLOCK_SCALINGS
 from fmp._policy import Policy
@@ -44,7 +44,7 @@ def float8(
     weight_first = why.startswith("weight operand (lhs")
     block = recipe.scaling in BLOCK_SCALINGS
     key = ctx.site_key() if block and recipe.scaling == "nvfp4" else None
-    outs = [_fp8.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history, key, weight_first)]
+    outs = [_bind.bind_float8(eqn.primitive, invals, eqn.params, recipe, out_dtype, history, key, weight_first)]
     quantised = BLOCK_FORMATS[recipe.scaling].element if block else _dtypes.E4M3
     if ctx.records is not None:
         stats = {}
@@ -62,7 +62,7 @@ def float8(
             out_before=float_names([v.aval for v in eqn.outvars]),
             out_after=float_names([aval_of(x) for x in outs]),
             flops=_rows.flops(eqn),
-            detail=_fp8.scaling_label(recipe, eqn.primitive.name, site),
+            detail=_bind.scaling_label(recipe, eqn.primitive.name, site),
             why=why,
             gemm=_rows.gemm(eqn, "lhs" if weight_first else "rhs"),
         )

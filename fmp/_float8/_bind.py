@@ -52,15 +52,15 @@ def bind_float8(
         def conv(x: jax.Array, w: jax.Array) -> jax.Array:
             return prim.bind(x, w, **conv_params)
 
-        return _dot.fp8_conv(conv, lhs, rhs, recipe, out_dtype)
+        return _dot.float8_conv(conv, lhs, rhs, recipe, out_dtype)
     dims = params["dimension_numbers"]
     if recipe.scaling in BLOCK_SCALINGS:
         return _block_dot.block_dot_general(lhs, rhs, dims, recipe, out_dtype, key, weight_first)
     if recipe.scaling == "delayed":
         if history is None:
-            return _dot.fp8_dot_general(lhs, rhs, dims, dataclasses.replace(recipe, scaling="tensorwise"), out_dtype)
+            return _dot.float8_dot_general(lhs, rhs, dims, dataclasses.replace(recipe, scaling="tensorwise"), out_dtype)
         return _state.delayed_dot_general(lhs, rhs, dims, history, recipe, out_dtype)
-    return _dot.fp8_dot_general(lhs, rhs, dims, recipe, out_dtype)
+    return _dot.float8_dot_general(lhs, rhs, dims, recipe, out_dtype)
 
 
 def scaling_label(recipe: Float8Recipe, prim_name: str, has_site: bool) -> str:

@@ -1,7 +1,7 @@
 """Float8 matmuls and convolutions with a ``custom_vjp``: e4m3 forward, e5m2 (or e4m3) output gradient.
 
 Any ``dot_general`` is brought to a batched matmul ``a[b, m, k] @ b[b, k, n]``
-(transposes and reshapes JAX differentiates by itself); ``fp8_matmul`` then
+(transposes and reshapes JAX differentiates by itself); ``float8_matmul`` then
 quantises both operands and either multiplies the float8 values with float32
 accumulation and applies the inverse scales to the result (a float8 GEMM on a
 GPU that has one), or multiplies the dequantised float32 values (the exact
@@ -61,7 +61,7 @@ def _forward(a, b, scaling, block, pow2, gemm, out_dtype) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def fp8_matmul(
+def float8_matmul(
     a: jax.Array, b: jax.Array, scaling: str, block: int, pow2: bool, gemm: bool, out_dtype: Any, grad_dtype: Any
 ) -> jax.Array:
     """``a[b, m, k] @ b[b, k, n]`` with float8 operands, result in ``out_dtype``; gradient in ``grad_dtype``."""
@@ -84,7 +84,7 @@ def use_gemm(recipe: Float8Recipe) -> bool:
     return _quant.float8_gemm_available() if recipe.emulate is None else not recipe.emulate
 
 
-fp8_matmul.defvjp(_fwd, _bwd)
+float8_matmul.defvjp(_fwd, _bwd)
 
 
 def _ints(dims: Sequence[int]) -> list[int]:
@@ -114,15 +114,15 @@ def canonical(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numb
     )
 
 
-def fp8_dot_general(
+def float8_dot_general(
     lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, recipe: Float8Recipe, out_dtype: Any
 ) -> jax.Array:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` in float8 under ``recipe``, result in ``out_dtype``.
 
     Examples:
-      >>> from fmp._float8._dot import fp8_dot_general
+      >>> from fmp._float8._dot import float8_dot_general
       >>> x, w = jnp.ones((4, 8)), jnp.full((8, 2), 0.5)
-      >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fmp.Float8Recipe(), jnp.float32)[0]
+      >>> float8_dot_general(x, w, (((1,), (0,)), ((), ())), fmp.Float8Recipe(), jnp.float32)[0]
       Array([4., 4.], dtype=float32)
     """
     if recipe.scaling == "delayed":
@@ -130,14 +130,14 @@ def fp8_dot_general(
     lperm, rperm, ashape, bshape, oshape = canonical(lhs.shape, rhs.shape, dimension_numbers)
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)
-    out = fp8_matmul(
+    out = float8_matmul(
         a, b, recipe.scaling, recipe.block_size, recipe.pow2_scales, use_gemm(recipe), jnp.dtype(out_dtype),
         jnp.dtype(recipe.grad_dtype),
     )  # fmt: skip
     return out.reshape(oshape)
 
 
-def fp8_conv(
+def float8_conv(
     conv: Callable[[jax.Array, jax.Array], jax.Array], x: jax.Array, w: jax.Array, recipe: Float8Recipe, out_dtype: Any
 ) -> jax.Array:
     """``conv(x, w)`` with tensorwise float8 operands (e4m3) and output gradient (the recipe's ``grad_dtype``).

@@ -20,7 +20,7 @@ E5M2 = jnp.dtype(_dtypes.E5M2)
 F32 = np.float32  # a scalar constant operand (lax broadcasts it)
 
 
-def fp8_max(dtype: jax.typing.DTypeLike) -> float:
+def float8_max(dtype: jax.typing.DTypeLike) -> float:
     """The largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
     return float(jnp.finfo(dtype).max)
 
@@ -47,7 +47,7 @@ def scale_from_amax(amax: jax.Array, dtype: jax.typing.DTypeLike, *, pow2: bool 
     amax = _f32(amax)
     one = _full(1.0, amax)
     ok = lax.bitwise_and(lax.gt(amax, F32(0.0)), lax.is_finite(amax))
-    scale = lax.select(ok, lax.div(F32(fp8_max(dtype)), lax.select(ok, amax, one)), one)
+    scale = lax.select(ok, lax.div(F32(float8_max(dtype)), lax.select(ok, amax, one)), one)
     if margin:
         scale = lax.div(scale, F32(2.0**margin))
     scale = lax.min(F32(SCALE_MAX), lax.max(F32(SCALE_MIN), scale))
@@ -72,7 +72,7 @@ def keep_non_finite(scale: jax.Array, amax: jax.Array) -> jax.Array:
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
     """``x * scale`` in float32, saturated to the float8 range (finite values; a NaN scale gives NaN), cast."""
-    top = fp8_max(dtype)
+    top = float8_max(dtype)
     y = lax.mul(_f32(x), _f32(scale))
     return lax.convert_element_type(lax.min(F32(top), lax.max(F32(-top), y)), dtype)
 

@@ -212,7 +212,7 @@ class Report:
         aside)."""
         total = sum(r.flops for r in self.records)
         low = sum(r.flops for r in self.records if any(d in LOW_PRECISION for d in r.out_after))
-        fp8 = sum(r.flops for r in self.records if r.category == "float8")
+        float8 = sum(r.flops for r in self.records if r.category == "float8")
         casts = sum(1 for r in self.records if r.category == "cast")
         islands = 0
         inside = False
@@ -227,8 +227,8 @@ class Report:
             "flops": total,
             "low_precision_flops": low,
             "low_precision_flop_share": (low / total) if total else 0.0,
-            "float8_flops": fp8,
-            "float8_flop_share": (fp8 / total) if total else 0.0,
+            "float8_flops": float8,
+            "float8_flop_share": (float8 / total) if total else 0.0,
             "casts_inserted": casts,
             "float32_islands": islands,
         }

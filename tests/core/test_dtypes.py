@@ -76,7 +76,7 @@ def _imports(path):
 def test_torch_side_reads_dtype_facts_from_the_core():
     """No torch module takes a float8 name, limit or scale bound from the JAX float8 math (the recipe, a
     plain dataclass, and the block-scaled arithmetic the FX pass runs on purpose are not dtype facts)."""
-    facts = {"E4M3", "E5M2", "SCALE_MIN", "SCALE_MAX", "fp8_max", "F32"}
+    facts = {"E4M3", "E5M2", "SCALE_MIN", "SCALE_MAX", "float8_max", "F32"}
     seen = {}
     for path in sorted((ROOT / "fmp" / "torch").rglob("*.py")):
         for module, names in _imports(path):

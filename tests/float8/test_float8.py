@@ -14,7 +14,7 @@ import pytest
 
 import fmp
 from fmp._float8 import _quant
-from fmp._float8._dot import fp8_dot_general
+from fmp._float8._dot import float8_dot_general
 from fmp._float8._state import delayed_dot_general
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -65,7 +65,7 @@ def ref_dot(x, w, g, scaling, pow2=False):
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def lib_dot(x, w, g, scaling, pow2=False):
     recipe = fmp.Float8Recipe(scaling, pow2_scales=pow2)
-    out, vjp = jax.vjp(lambda a, b: fp8_dot_general(a, b, DN, recipe, F32), x, w)
+    out, vjp = jax.vjp(lambda a, b: float8_dot_general(a, b, DN, recipe, F32), x, w)
     return (out, *vjp(g))
 
 
@@ -186,9 +186,9 @@ def test_power_of_two_scales_keep_exact_values_exact():
     x = jnp.asarray(np.random.default_rng(0).integers(0, 17, (8, 64)) / 16, F32).at[0].set(jax.nn.one_hot(3, 64))
     w = jnp.eye(64, dtype=F32)
     for scaling in ("tensorwise", "rowwise", "blockwise"):
-        exact = fp8_dot_general(x, w, DN, fmp.Float8Recipe(scaling), F32)
+        exact = float8_dot_general(x, w, DN, fmp.Float8Recipe(scaling), F32)
         np.testing.assert_array_equal(np.asarray(exact), np.asarray(x))
-        rounded = fp8_dot_general(x, w, DN, fmp.Float8Recipe(scaling, pow2_scales=False), F32)
+        rounded = float8_dot_general(x, w, DN, fmp.Float8Recipe(scaling, pow2_scales=False), F32)
         assert not np.array_equal(np.asarray(rounded), np.asarray(x))
 
 
@@ -199,7 +199,7 @@ def test_general_dimension_numbers_match_einsum_reference():
     rhs = jax.random.normal(k2, (2, 4, 6, 3), F32)  # (b, k2, n, k1)
     dn = (((0, 3), (3, 1)), ((2,), (0,)))
     recipe = fmp.Float8Recipe("tensorwise", pow2_scales=True)
-    got = jax.jit(lambda a, b: fp8_dot_general(a, b, dn, recipe, F32))(lhs, rhs)
+    got = jax.jit(lambda a, b: float8_dot_general(a, b, dn, recipe, F32))(lhs, rhs)
     ql, qr = (
         ref_first(lhs.reshape(1, -1), E4M3, "tensorwise", True),
         ref_second(rhs.reshape(-1, 1), E4M3, "tensorwise", True),

@@ -11,7 +11,7 @@ import pytest
 
 import fmp
 import fmp.optax
-from fmp._float8._dot import fp8_dot_general
+from fmp._float8._dot import float8_dot_general
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 DN = (((1,), (0,)), ((), ()))
@@ -39,8 +39,8 @@ def mlp(p, x):
 def mlp_by_hand(p, x, scaling):
     """mlp as mixed_float8 should run it, written out: float8 dots, bf16 bias adds (epilogue) and relu."""
     r = fmp.Float8Recipe(scaling)
-    h = jax.nn.relu(fp8_dot_general(x, p["w1"], DN, r, BF16) + p["b1"].astype(BF16))
-    return (fp8_dot_general(h, p["w2"], DN, r, BF16) + p["b2"].astype(BF16)).astype(F32)
+    h = jax.nn.relu(float8_dot_general(x, p["w1"], DN, r, BF16) + p["b1"].astype(BF16))
+    return (float8_dot_general(h, p["w2"], DN, r, BF16) + p["b2"].astype(BF16)).astype(F32)
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
@@ -86,7 +86,7 @@ def test_opt_out_by_scope_and_by_nested_region_match_bf16_there():
     head_bf16 = fmp.autocast(mlp, "mixed_float8", overrides={"head": "mixed_bfloat16"})(p, x)
 
     def by_hand(p, x):
-        h = jax.nn.relu(fp8_dot_general(x, p["w1"], DN, fmp.Float8Recipe(), BF16) + p["b1"].astype(BF16))
+        h = jax.nn.relu(float8_dot_general(x, p["w1"], DN, fmp.Float8Recipe(), BF16) + p["b1"].astype(BF16))
         return (h @ p["w2"].astype(BF16) + p["b2"].astype(BF16)).astype(F32)
 
     np.testing.assert_array_equal(np.asarray(head_bf16), np.asarray(by_hand(p, x)))

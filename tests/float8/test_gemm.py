@@ -9,7 +9,7 @@ import pytest
 
 import fmp
 from fmp._float8 import _dot, _quant
-from fmp._float8._dot import fp8_dot_general
+from fmp._float8._dot import float8_dot_general
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -20,7 +20,7 @@ def _run(recipe, x, w):
 
     @jax.jit
     def f(x, w):
-        out, vjp = jax.vjp(lambda x, w: fp8_dot_general(x, w, DN, recipe, jnp.float32), x, w)
+        out, vjp = jax.vjp(lambda x, w: float8_dot_general(x, w, DN, recipe, jnp.float32), x, w)
         return (out, *vjp(g))
 
     return f(x, w)
@@ -53,7 +53,7 @@ def test_gemm_form_with_exact_scales_rounds_once_more_at_most(scaling):
 
 
 def _dot_operand_dtypes(recipe, x, w):
-    jaxpr = jax.make_jaxpr(lambda x, w: fp8_dot_general(x, w, DN, recipe, jnp.float32))(x, w)
+    jaxpr = jax.make_jaxpr(lambda x, w: float8_dot_general(x, w, DN, recipe, jnp.float32))(x, w)
     found = []
 
     def walk(jx):

@@ -109,14 +109,14 @@ def test_non_finite_results_where_torchao_has_them(scaling):
     pytest.importorskip("torchao")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from fmp._float8._dot import fp8_dot_general
+    from fmp._float8._dot import float8_dot_general
 
     rng = np.random.default_rng(0)
     x0, w0 = rng.standard_normal((8, 16)).astype(np.float32), rng.standard_normal((16, 4)).astype(np.float32)
     recipe = fmp.Float8Recipe(scaling, pow2_scales=scaling == "rowwise")  # torchao's scales in each recipe
 
     def ours(x, w, g):
-        out, vjp = jax.vjp(lambda x, w: fp8_dot_general(x, w, DN, recipe, F32), jnp.asarray(x), jnp.asarray(w))
+        out, vjp = jax.vjp(lambda x, w: float8_dot_general(x, w, DN, recipe, F32), jnp.asarray(x), jnp.asarray(w))
         return [np.isfinite(np.asarray(r)) for r in (out, *vjp(jnp.asarray(g)))]
 
     def theirs(x, w, g):

@@ -13,7 +13,7 @@ import pytest
 
 import fmp
 from fmp._float8 import _quant
-from fmp._float8._dot import fp8_dot_general
+from fmp._float8._dot import float8_dot_general
 from fmp._float8._state import delayed_dot_general
 
 F32 = jnp.float32
@@ -31,7 +31,7 @@ def _qdq(x, dtype, pow2=True):
 def test_grad_dtype_quantises_the_output_gradient_of_both_products(grad_dtype):
     x, w, g = (jax.random.normal(jax.random.key(i), s, F32) for i, s in enumerate([(8, 16), (16, 8), (8, 8)]))
     recipe = fmp.Float8Recipe("tensorwise", grad_dtype=grad_dtype)
-    f = lambda a, b: fp8_dot_general(a, b, (((1,), (0,)), ((), ())), recipe, F32)  # noqa: E731
+    f = lambda a, b: float8_dot_general(a, b, (((1,), (0,)), ((), ())), recipe, F32)  # noqa: E731
     _, vjp = jax.vjp(f, x, w)
     dx, dw = vjp(g)
     qg = _qdq(g, jnp.dtype(grad_dtype))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fmp
-from fmp._float8._dot import fp8_dot_general
+from fmp._float8._dot import float8_dot_general
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 DN = (((1,), (0,)), ((), ()))
@@ -32,7 +32,7 @@ def attention(x, w):
 def attention_by_hand(x, w):
     """attention as mixed_float8 runs it: float8 projections, bfloat16 q k^T and p v (float32 softmax)."""
     r = fmp.Float8Recipe("tensorwise")
-    q, k, v = (fp8_dot_general(x, w[n], DN, r, BF16) for n in "qkv")
+    q, k, v = (float8_dot_general(x, w[n], DN, r, BF16) for n in "qkv")
     s = jax.lax.dot_general(q, k, NT, preferred_element_type=BF16)
     e = jnp.exp((s - jnp.max(s, axis=-1, keepdims=True)).astype(F32))  # bfloat16 max-subtraction, float32 exp
     p = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(BF16)
