@@ -20,8 +20,9 @@ from fmp._autocast._engine._context import Context, dtype_name, is_castable
 from fmp._autocast._engine._interp import eval_jaxpr, transform_closed_uncached
 from fmp._autocast._hops import _control
 from fmp._core._rules import DEFAULT_RULES, RuleSet
-from fmp._policy import Policy, ResolvedPolicy, get_policy
+from fmp._policy import Policy, get_policy
 from fmp._report._records import OpRecord
+from fmp._resolved import ResolvedPolicy
 
 
 def configure(

@@ -17,7 +17,8 @@ from fmp._autocast._transform import configure, make_context, rewrite_top, run_t
 from fmp._core._renamed import NOT_GIVEN, renamed_argument
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
-from fmp._policy import Policy, ResolvedPolicy
+from fmp._policy import Policy
+from fmp._resolved import ResolvedPolicy
 
 _MSG_POLICY_FIRST = (
     "fmp.autocast(fn, policy) is a function transform and takes the function first, got the policy {got!r}: "

@@ -12,7 +12,7 @@ import fmp
 import fmp.testing
 from fmp._autocast import _transform, _wrap
 from fmp._autocast._explain import _api
-from fmp._policy import ResolvedPolicy
+from fmp._resolved import ResolvedPolicy
 
 
 def _count(monkeypatch, calls, module, name):

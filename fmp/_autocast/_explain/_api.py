@@ -19,9 +19,10 @@ from fmp._core._dtypes import INIT_SCALE
 from fmp._core._renamed import NOT_GIVEN, renamed_argument
 from fmp._core._rules import RuleSet
 from fmp._float8._state import Float8State, SiteFeeder
-from fmp._policy import Policy, ResolvedPolicy
+from fmp._policy import Policy
 from fmp._report._float8_choice import choose
 from fmp._report._records import Report
+from fmp._resolved import ResolvedPolicy
 from fmp._scaling._scaler import GradScaler
 
 _MSG_COMPARE_STATE = (

@@ -17,7 +17,8 @@ from torch.utils import _pytree as pytree
 from fmp._core import _dtypes
 from fmp._core._rules import DEFAULT_RULES, TORCH_DEVICES, RuleSet
 from fmp._float8._recipe import Float8Recipe
-from fmp._policy import Policy, ResolvedPolicy, get_policy
+from fmp._policy import Policy, get_policy
+from fmp._resolved import ResolvedPolicy
 from fmp.torch._fx._common import Event
 from fmp.torch._fx._float8 import apply_float8, check_kernel, check_recipe
 from fmp.torch._fx._rewrite import Rewriter

@@ -11,10 +11,10 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fmp._core._rules import RuleSet
-from fmp._policy import ResolvedPolicy
 from fmp._report._float8_choice import choose
 from fmp._report._grads import GradReport
 from fmp._report._records import OpRecord, Report, short_source
+from fmp._resolved import ResolvedPolicy
 from fmp.torch._fx._common import Event, float_names, module_path, node_source
 from fmp.torch._fx._explain import _compare
 from fmp.torch._fx._explain._runner import kept_buffers
