@@ -39,7 +39,8 @@ PEER_RECIPES: dict[str, dict[str, Any]] = {
 _MSG_SCALING = (
     "Float8Recipe(scaling=...) must be one of {choices}, got {got!r}. 'tensorwise' (one scale per tensor, from "
     "the value itself) is the default and the safe start; 'rowwise' and 'blockwise' keep outliers from crushing "
-    "the rest of a tensor; 'delayed' reads scales from an fmp.Float8State; 'mx' needs a GPU."
+    "the rest of a tensor; 'delayed' reads scales from an fmp.Float8State; 'mxfp8', 'mxfp4' and 'nvfp4' are the "
+    "block-scaled formats (emulated on any device)."
 )
 _MSG_GRAD_DTYPE = (
     "Float8Recipe(grad_dtype=...) must be one of {choices} (or the jnp dtype), got {got!r}. 'float8_e5m2' "

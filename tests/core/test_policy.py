@@ -238,3 +238,9 @@ def test_a_recipe_at_its_defaults_prints_its_scaling_alone():
 def test_bad_recipe_options_name_the_option(spec, message):
     with pytest.raises(ValueError, match=r"get_policy\(spec\): .*" + message):
         fmp.get_policy(spec)
+
+
+def test_an_unknown_scaling_lists_the_block_scaled_formats_as_they_are_named():
+    with pytest.raises(ValueError, match=r"must be one of tensorwise, .*, mxfp8, mxfp4, nvfp4, got 'e3m4'") as err:
+        fmp.Float8Recipe("e3m4")
+    assert "'mx'" not in str(err.value) and "emulated on any device" in str(err.value)
