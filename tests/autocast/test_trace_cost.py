@@ -10,12 +10,16 @@ operands found anew at every call) would take sixteen times as many.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import fmp
-from fmp._autocast._engine._provenance import STEPS
+from fmp._autocast._engine._lru import LRU
+from fmp._autocast._engine._provenance import STEPS, Frame
 
 D = 8
 
@@ -46,3 +50,57 @@ def test_walk_steps_grow_linearly_with_depth(policy):
     shallow, deep = _steps(64, policy), _steps(256, policy)
     assert shallow > 64  # the walks ran (a counter nobody increments would pass any ratio)
     assert deep / shallow < 5.0, (shallow, deep)  # linear: ~4x; quadratic: ~16x
+
+
+def test_no_frame_of_a_rewrite_is_left_for_the_garbage_collector():
+    # the frames the walks keep refer to their parents; once a rewrite returns, all are freed at once (no
+    # reference cycle left for the collector's full passes, which a deep program makes long)
+    gc.collect()
+    gc.disable()
+    try:
+        jax.make_jaxpr(jax.grad(fmp.autocast(_mlp)))(_params(4), jnp.ones((2, D)))
+        left = [o for o in gc.get_objects() if type(o) is Frame]
+    finally:
+        gc.enable()
+    assert not left, f"{len(left)} frames of the walks outlived the rewrite"
+
+
+def test_the_caches_keep_neither_the_program_nor_its_constants_alive():
+    big = jnp.full((64, D), 3.0)  # closed over: a constant of the program, measured for its bound
+
+    def f(x):
+        return jnp.sum((x @ big.T) * big[0, 0])
+
+    closed = jax.make_jaxpr(f)(jnp.ones((2, D)))
+    assert any(c is big for c in closed.consts)
+    rewritten = fmp.autocast_jaxpr(closed, "mixed_bfloat16")
+    assert any(e.primitive.name == "dot_general" for e in rewritten.jaxpr.eqns)
+    program, constant = weakref.ref(closed.jaxpr), weakref.ref(big)
+    del closed, rewritten, big, f
+    gc.collect()
+    assert program() is None, "the traced program is still held after its rewrite"
+    assert constant() is None, "a closed-over array is still held after its rewrite"
+
+
+def test_a_cache_entry_goes_with_its_object_and_an_id_reused_is_not_a_hit():
+    cache, made = LRU(8), []
+
+    class Body:  # stands for a jaxpr: weakly referable
+        pass
+
+    def make(tag):
+        made.append(tag)
+        return tag
+
+    a = Body()
+    assert cache.of(a, id(a), lambda: make("a")) == "a"
+    assert cache.of(a, id(a), lambda: make("again")) == "a"  # a hit
+    key = id(a)
+    del a
+    gc.collect()
+    assert len(cache) == 0  # the entry went with its object
+    b = Body()
+    assert cache.of(b, key, lambda: make("b")) == "b"  # even under the same key, a new object is made anew
+    held = [1, 2]  # a list takes no weak reference: held by the entry, still correct
+    assert cache.of(tuple(held), 99, lambda: make("t")) == "t"
+    assert made == ["a", "b", "t"]

@@ -27,7 +27,7 @@ from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast, restore
 from fmp._autocast._engine._context import REGION_SCOPE, Context, overridden, record_eqn, source_of
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import Chain, body_frame, frame_of, is_inline_call
+from fmp._autocast._engine._provenance import Chain, body_frame, frame_of, is_inline_call, release
 from fmp._autocast._engine._weights import (
     body_weights,
     frame_weights,
@@ -107,7 +107,9 @@ def eval_jaxpr(
         # with constants gets a frame of its own, which knows their values
         shared = not jaxpr.constvars and getattr(call.params.get("jaxpr"), "jaxpr", None) is jaxpr
         frame = body_frame(call, ctx.frames[-1]) if shared else frame_of(jaxpr, ctx.frames[-1], call.invars)
+        owned = not shared  # a shared frame is kept by its parent, released with it
     else:
+        owned = True
         named = frame_weights(jaxpr, ctx.weights_in.get(id(jaxpr))) if ctx.frames else top_weights(jaxpr)
         frame = frame_of(jaxpr, weights=named)
     if hints:
@@ -135,6 +137,8 @@ def eval_jaxpr(
     finally:
         ctx.memos.pop()
         ctx.frames.pop()
+        if owned:
+            release(frame)
 
 
 def transform_closed(
@@ -248,7 +252,7 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     handler = ctx.handlers.get(prim)
     if handler is not None:
         sub = dataclasses.replace(ctx, policy=policy) if mode == "override" else ctx
-        if _scoped_float8(ctx):
+        if scoped_float8(ctx):
             sub = dataclasses.replace(sub, weights_in=body_weights(eqn, ctx.frames[-1]))
         return handler(eqn, invals, sub, scope)
     if next(iter(jaxprs_in_params(eqn.params)), None) is not None:
@@ -262,7 +266,7 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     return outs
 
 
-def _scoped_float8(ctx: Context) -> bool:
+def scoped_float8(ctx: Context) -> bool:
     """Whether float8 decisions look for weight operands (a recipe here or in an override, not opted into
     activation products); the bodies of a higher-order equation then learn which of their inputs are weights."""
     recipes = [p.float8 for p in (ctx.policy, *(pol for _, pol in ctx.overrides)) if p.float8 is not None]

@@ -163,6 +163,17 @@ def frame_of(
     return Frame(own, alias, uses, consts=parent.consts, weights=parent.weights, parent=parent, jaxpr=jaxpr)
 
 
+def release(frame: Frame) -> None:
+    """Forgets the body frames kept under ``frame`` (``body_frame``) once its rewrite is done: a kept body
+    frame refers to its parent, so without this every frame of a rewrite would be cyclic garbage, left for
+    the garbage collector's full passes instead of being freed when the rewrite returns."""
+    stack = [frame]
+    while stack:
+        f = stack.pop()
+        stack.extend(child for _, child in f.children.values())
+        f.children.clear()
+
+
 def used_once(var: Any, frame: Frame) -> bool:
     """``var`` has one use in its jaxpr, is no input of an inlined body (whose operand the caller may use
     again) and neither side of a dtype conversion (which the rewrite may make the identity, so that two
