@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -89,6 +90,56 @@ def test_kept_helpers_decide_and_compute_as_inlined(name, monkeypatch):
         flat[keep] = _flat(jax.make_jaxpr(jax.value_and_grad(fmp.autocast(fn, rules=rules)))(p, x).jaxpr, [])
         vals[keep] = jax.jit(jax.value_and_grad(fmp.autocast(fn, rules=rules)))(p, x)
     # every equation (casts included) has the same primitive and dtypes, in the same order
+    assert flat[True] == flat[False]
+    for a, b in zip(jax.tree.leaves(vals[True]), jax.tree.leaves(vals[False]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _float8_policy(**recipe):
+    return dataclasses.replace(fmp.get_policy("mixed_bfloat16"), float8=fmp.Float8Recipe(**recipe))
+
+
+# the float8 recipes whose helpers are kept (delayed scaling numbers its sites and inlines: checked below)
+_GALLERY = pytest.mark.gallery
+FLOAT8 = {
+    "tensorwise": "mixed_float8",
+    "rowwise": _float8_policy(scaling="rowwise"),
+    "blockwise, float32 output": _float8_policy(scaling="blockwise", block_size=16, output="float32"),
+    "activations too": _float8_policy(activations=True),
+    "mxfp8": "mixed_mxfp8",
+    "nvfp4": "mixed_nvfp4",
+}
+
+
+# a small transformer (its matmuls are jnp helpers: the kept bodies must tell weights from activations) under a
+# tensor-scaled and a block-scaled recipe; every other pair in the gallery suite, with the flax models
+# (lax.dot_general and convolutions at the top)
+_SMALL = (B.loss, B.init_params(jax.random.key(0), d=32, layers=1), jax.random.normal(jax.random.key(1), (2, 8, 32)))
+_DEFAULT = ("tensorwise", "mxfp8")
+FLOAT8_CASES = [
+    *(
+        pytest.param("small transformer", r, id=f"{r}-small transformer", marks=() if r in _DEFAULT else _GALLERY)
+        for r in FLOAT8
+    ),
+    *(
+        pytest.param(m, r, id=f"{r}-{m}", marks=_GALLERY)
+        for m in ("linen encoder", "linen cnn with batchnorm")
+        for r in FLOAT8
+    ),
+]
+
+
+@pytest.mark.parametrize("model, recipe", FLOAT8_CASES)
+def test_kept_helpers_decide_and_compute_as_inlined_under_float8(model, recipe, monkeypatch):
+    fn, p, x = _SMALL if model == "small transformer" else CASES[model][:3]
+    policy = FLOAT8[recipe]
+    flat, vals = {}, {}
+    for keep in (False, True):
+        monkeypatch.setattr(_helpers, "KEEP_HELPERS", keep)
+        flat[keep] = _flat(jax.make_jaxpr(jax.value_and_grad(fmp.autocast(fn, policy)))(p, x).jaxpr, [])
+        vals[keep] = jax.jit(jax.value_and_grad(fmp.autocast(fn, policy)))(p, x)
+    # the matmuls did run quantised: values in a float8 or float4 format appear
+    assert any(d.startswith(("float8", "float4")) for _, _, outs in flat[True] for d in outs)
     assert flat[True] == flat[False]
     for a, b in zip(jax.tree.leaves(vals[True]), jax.tree.leaves(vals[False]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

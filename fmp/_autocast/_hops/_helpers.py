@@ -11,16 +11,18 @@ equations instead (``_jax_internals.keep_inline_calls``). Each is then either
   larger part of the cost of tracing ``grad`` of an autocast function; or
 - **inlined** here, exactly as JAX would have inlined it.
 
-A helper is kept only where its body, rewritten on its own, makes the same
-decisions as inlined (``keep_call``: the one rule that looks into the
-caller's program, the epilogue rule, is handed its answer from there); a test
-compares the two over whole models. Scalar constants passed to a helper (``x * 0.5``) are folded into its
-body first (``_specialise``), as JAX's inlining folds them, so the rule that a
-scalar literal follows the other operand still sees a literal.
+A helper is kept only where its body, rewritten on its own, makes the same decisions as inlined
+(``keep_call``): the rules that look into the caller's program are handed their answers from there (the
+epilogue rule's, and the float8 scope rule's: which of the body's inputs are weights where it is called).
+Where float8 sites are numbered in the flat program (delayed scaling, a caller's key for stochastic
+rounding) every helper is inlined. A test compares the two over whole models. Scalar constants passed to
+a helper (``x * 0.5``) are folded into its body first (``_specialise``), as JAX's inlining folds them, so
+the rule that a scalar literal follows the other operand still sees a literal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -30,14 +32,16 @@ from jax.extend.core.primitives import convert_element_type_p
 from fmp._autocast._engine import _constants, _jax_internals
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, aval_of, is_castable, is_scalar_constant, like_avals
-from fmp._autocast._engine._interp import bind, eval_jaxpr, transform_closed
+from fmp._autocast._engine._interp import bind, eval_jaxpr, scoped_float8, transform_closed
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._provenance import (
     epilogue_eqns_at_inputs,
     epilogue_sides,
     frame_of,
+    release,
     returned_inputs,
     used_once,
+    weight_of,
 )
 from fmp._core import _scopes
 from fmp._core._rules import Category
@@ -60,6 +64,9 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
             orig = eqn.params["jaxpr"]
             return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
         mark = None if ctx.records is None else len(ctx.records)
+        if scoped_float8(ctx):  # the float8 scope rule in the body sees which operands are weights here
+            weights = tuple(None if weight_of(v, ctx.frames[-1]) is None else _WEIGHT for v in operands)
+            ctx = dataclasses.replace(ctx, weights_in={id(closed.jaxpr): weights})
         new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
         entry = _entry_casts_of(new) if _can_hoist(ctx, scope, closed.jaxpr) else {}
         # a value used once keeps its cast in the body; one used again has it here, shared with those uses
@@ -81,12 +88,25 @@ def _entry_casts_of(body: ClosedJaxpr) -> dict[int, Any]:
     return _ENTRY.of(body, id(body), lambda: _entry_casts(body))
 
 
+# A kept body's inputs that are weights where it is called; one label for every weight, so that identical
+# layers share one rewritten body (the name of the weight only reads in explain's rows, which inline).
+_WEIGHT = "a weight of the caller"
+
+
 def _can_keep(ctx: Context) -> bool:
-    # float8: delayed-scaling sites are numbered in the flat program, so every helper is inlined;
     # explain: its rows describe the inlined program (the kept calls decide the same, but a row per cast
     # and per folded literal is what a reader compares with the source)
-    fp8 = ctx.policy.float8 is not None or any(p.float8 is not None for _, p in ctx.overrides)
-    return KEEP_HELPERS and not fp8 and ctx.records is None and bool(ctx.frames)
+    return KEEP_HELPERS and ctx.records is None and bool(ctx.frames) and _float8_keeps(ctx)
+
+
+def _float8_keeps(ctx: Context) -> bool:
+    """Whether the float8 recipes in play let a body be rewritten once for every call: not delayed scaling
+    (each site takes its own history row) nor a caller's key (each block-scaled site folds in its own
+    count), whose sites are numbered in the flat program; not a recipe under an override."""
+    recipe = ctx.policy.float8
+    if any(p.float8 is not None for _, p in ctx.overrides) or ctx.fp8_sites is not None:
+        return False
+    return recipe is None or (recipe.scaling != "delayed" and ctx.key is None)
 
 
 def _can_hoist(ctx: Context, scope: str, body: Any) -> bool:
@@ -105,12 +125,12 @@ def keep_call(
 ) -> tuple[tuple[int, tuple[str, str]], ...] | None:
     """How ``closed`` (a helper body called with ``operands``) is rewritten alone to decide as inlined.
 
-    None: inline it (float8 runs, see ``_can_keep``; a scalar constant is
-    still an operand; or the body holds an inline call of its own). Otherwise
-    the epilogue hints for the body: the epilogue test of each of its
-    equations that sees through its inputs, run in the caller's program
-    where that differs from the test on the body alone (``x @ w + b`` with
-    ``+`` in its own helper).
+    None: inline it (explain, or float8 sites numbered in the flat program, see ``_can_keep``; a scalar
+    constant is still an operand; or the body holds an inline call of its own). Otherwise the epilogue hints
+    for the body: the epilogue test of each of its equations that sees through its inputs, run in the
+    caller's program where that differs from the test on the body alone (``x @ w + b`` with ``+`` in its own
+    helper). The float8 scope rule's question (is an operand a weight?) is answered for the body's inputs in
+    ``helper_call``.
     """
     if not _can_keep(ctx) or any(is_scalar_constant(x) for x in invals):
         return None
@@ -130,10 +150,14 @@ def keep_call(
         return ctx.rules.category(name) in _LOW
 
     hints = []
-    for n, e in at_inputs:
-        sides = epilogue_sides(e, inlined, is_low)
-        if sides != epilogue_sides(e, alone, is_low):
-            hints.append((n, sides))
+    try:
+        for n, e in at_inputs:
+            sides = epilogue_sides(e, inlined, is_low)
+            if sides != epilogue_sides(e, alone, is_low):
+                hints.append((n, sides))
+    finally:
+        release(inlined)
+        release(alone)
     return tuple(hints)
 
 
