@@ -112,7 +112,7 @@ def test_fx_rewrite_side_never_imports_its_explain_room():
 
 
 def test_autocast_engine_forms_no_cycle():
-    # the interpreter (_interp on _context and _cast, with _rows and _provenance) at the bottom of the engine
+    # the interpreter (_interp on _context and _cast, with _rows, _provenance and its _frames) at the bottom
     pkg = ROOT / "fmp" / "_autocast" / "_engine"
     graph = {
         path.stem: {n.split(".")[3] for n in _imports(path) if n.startswith("fmp._autocast._engine.")}
@@ -122,13 +122,13 @@ def test_autocast_engine_forms_no_cycle():
     for folder in (p for p in pkg.iterdir() if (p / "__init__.py").exists()):  # a folder is one node
         inside = (n for path in folder.glob("*.py") for n in _imports(path))
         graph[folder.name] = {n.split(".")[3] for n in inside if n.startswith("fmp._autocast._engine.")} - {folder.name}
-    assert graph["_context"] <= {"_rows", "_provenance"}, graph["_context"]
+    assert graph["_context"] <= {"_rows", "_provenance", "_frames"}, graph["_context"]
     assert graph["_cast"] <= {"_context", "_jax_internals", "_lru"}, graph["_cast"]
-    assert graph["_interp"] <= {"_context", "_cast", "_jax_internals", "_provenance", "_lru", "_weights"}, graph[
-        "_interp"
-    ]
-    assert graph["_weights"] <= {"_provenance", "_jax_internals"}, graph["_weights"]  # weights (float8 scope)
-    assert graph["_provenance"] <= {"_lru", "_dims", "_jax_internals"}, graph["_provenance"]
+    interp = {"_context", "_cast", "_jax_internals", "_provenance", "_frames", "_lru", "_weights"}
+    assert graph["_interp"] <= interp, graph["_interp"]
+    assert graph["_weights"] <= {"_provenance", "_frames", "_jax_internals"}, graph["_weights"]  # the float8 scope
+    assert graph["_provenance"] <= {"_frames", "_lru", "_dims", "_jax_internals"}, graph["_provenance"]
+    assert graph["_frames"] <= {"_lru", "_jax_internals"}, graph["_frames"]  # a frame of the walks, and its caches
     # JAX's internals, each difference between its releases: a leaf but for the tested range it warns about
     assert graph["_jax_internals"] <= {"_jax_version"}, graph["_jax_internals"]
     assert graph["_jax_version"] == set(), graph["_jax_version"]

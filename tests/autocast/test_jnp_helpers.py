@@ -16,7 +16,7 @@ from _helpers.common import load_bench
 
 import fmp
 from fmp._autocast import _args
-from fmp._autocast._engine._provenance import is_inline_call
+from fmp._autocast._engine._frames import is_inline_call
 from fmp._autocast._hops import _helpers
 
 B = load_bench("autocast")

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import pytest
 
 import fmp
+from fmp._autocast._engine._frames import Frame
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import STEPS, Frame
+from fmp._autocast._engine._provenance import STEPS
 
 D = 8
 
@@ -65,7 +66,7 @@ def test_no_frame_of_a_rewrite_is_left_for_the_garbage_collector():
     assert not left, f"{len(left)} frames of the walks outlived the rewrite"
 
 
-def test_the_caches_keep_neither_the_program_nor_its_constants_alive():
+def _rewrite_once() -> tuple[weakref.ref, weakref.ref]:
     big = jnp.full((64, D), 3.0)  # closed over: a constant of the program, measured for its bound
 
     def f(x):
@@ -75,8 +76,11 @@ def test_the_caches_keep_neither_the_program_nor_its_constants_alive():
     assert any(c is big for c in closed.consts)
     rewritten = fmp.autocast_jaxpr(closed, "mixed_bfloat16")
     assert any(e.primitive.name == "dot_general" for e in rewritten.jaxpr.eqns)
-    program, constant = weakref.ref(closed.jaxpr), weakref.ref(big)
-    del closed, rewritten, big, f
+    return weakref.ref(closed.jaxpr), weakref.ref(big)
+
+
+def test_the_caches_keep_neither_the_program_nor_its_constants_alive():
+    program, constant = _rewrite_once()
     gc.collect()
     assert program() is None, "the traced program is still held after its rewrite"
     assert constant() is None, "a closed-over array is still held after its rewrite"

@@ -19,14 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from fmp._autocast._engine._frames import Frame, is_inline_call
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import (
-    STEPS,
-    Frame,
-    into,
-    is_inline_call,
-    up,
-)
+from fmp._autocast._engine._provenance import STEPS, into, up
 
 # op -> the operands that carry its output's values (the others are indices, a predicate, shapes)
 _VALUES: dict[str, slice] = {

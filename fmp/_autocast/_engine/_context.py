@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend.core import JaxprEqn
 
 from fmp._autocast._engine import _rows
-from fmp._autocast._engine._provenance import Frame
+from fmp._autocast._engine._frames import Frame
 from fmp._core import _dtypes, _scopes
 from fmp._core._rules import OVERRIDE, RuleSet, joined
 from fmp._policy import Policy

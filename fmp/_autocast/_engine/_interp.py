@@ -26,8 +26,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_par
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast, restore
 from fmp._autocast._engine._context import REGION_SCOPE, Context, overridden, record_eqn, source_of
+from fmp._autocast._engine._frames import Chain, body_frame, frame_of, is_inline_call, release
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import Chain, body_frame, frame_of, is_inline_call, release
 from fmp._autocast._engine._weights import (
     body_weights,
     frame_weights,
@@ -89,7 +89,7 @@ def eval_jaxpr(
     evaluated, inlined into the same trace: it shares that jaxpr's cast cache,
     and the epilogue rule sees through its inputs to the caller's program.
     ``hints``: ``(equation index, epilogue sides)`` for a helper body rewritten
-    on its own (``_provenance.Frame.hints``).
+    on its own (``_frames.Frame.hints``).
     """
     env: dict[Any, Any] = {}
 

@@ -21,7 +21,8 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from fmp._autocast._engine import _jax_internals
-from fmp._autocast._engine._provenance import Frame, weight_of
+from fmp._autocast._engine._frames import Frame
+from fmp._autocast._engine._provenance import weight_of
 
 Labels = tuple[str | None, ...]
 

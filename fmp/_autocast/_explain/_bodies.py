@@ -16,8 +16,8 @@ from jax.extend.core import primitives as core_prims
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, Handler, calling
+from fmp._autocast._engine._frames import is_inline_call
 from fmp._autocast._engine._interp import eval_jaxpr
-from fmp._autocast._engine._provenance import is_inline_call
 from fmp._autocast._explain import _loops
 from fmp._autocast._hops import _calls
 from fmp._autocast._hops._helpers import helper_call

@@ -36,8 +36,8 @@ from fmp._autocast._engine._context import (
     is_castable,
     like_avals,
 )
+from fmp._autocast._engine._frames import is_inline_call
 from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, transform_closed
-from fmp._autocast._engine._provenance import is_inline_call
 from fmp._autocast._hops import _calls, _exact, _float8_rows
 from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN, run_bwd
 from fmp._autocast._hops._helpers import helper_call

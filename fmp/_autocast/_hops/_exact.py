@@ -26,9 +26,9 @@ from jax.extend.core.primitives import convert_element_type_p, custom_jvp_call_p
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._context import Context, aval_of, dtype_name, is_castable
 from fmp._autocast._engine._dims import contracted_size
+from fmp._autocast._engine._frames import Frame, frame_of, is_inline_call, used_once
 from fmp._autocast._engine._interp import bind
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import Frame, frame_of, is_inline_call, used_once
 from fmp._core import _dtypes
 from fmp._core._rules import Category
 

@@ -32,17 +32,10 @@ from jax.extend.core.primitives import convert_element_type_p
 from fmp._autocast._engine import _constants, _jax_internals
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, aval_of, is_castable, is_scalar_constant, like_avals
+from fmp._autocast._engine._frames import frame_of, release, returned_inputs, used_once
 from fmp._autocast._engine._interp import bind, eval_jaxpr, scoped_float8, transform_closed
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import (
-    epilogue_eqns_at_inputs,
-    epilogue_sides,
-    frame_of,
-    release,
-    returned_inputs,
-    used_once,
-    weight_of,
-)
+from fmp._autocast._engine._provenance import epilogue_eqns_at_inputs, epilogue_sides, weight_of
 from fmp._core import _scopes
 from fmp._core._rules import Category
 
