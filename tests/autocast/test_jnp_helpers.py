@@ -16,6 +16,7 @@ from _helpers.common import load_bench
 
 import fmp
 from fmp._autocast import _args
+from fmp._autocast._engine import _interp, _lru
 from fmp._autocast._engine._frames import is_inline_call
 from fmp._autocast._hops import _helpers
 
@@ -86,6 +87,7 @@ def test_kept_helpers_decide_and_compute_as_inlined(name, monkeypatch):
     flat, vals = {}, {}
     for keep in (False, True):
         monkeypatch.setattr(_helpers, "KEEP_HELPERS", keep)
+        monkeypatch.setattr(_interp, "_CACHE", _lru.LRU())  # no body rewritten in the other mode is reused
         # a fresh function each time: JAX caches the trace of a function it has seen
         flat[keep] = _flat(jax.make_jaxpr(jax.value_and_grad(fmp.autocast(fn, rules=rules)))(p, x).jaxpr, [])
         vals[keep] = jax.jit(jax.value_and_grad(fmp.autocast(fn, rules=rules)))(p, x)
@@ -136,6 +138,7 @@ def test_kept_helpers_decide_and_compute_as_inlined_under_float8(model, recipe, 
     flat, vals = {}, {}
     for keep in (False, True):
         monkeypatch.setattr(_helpers, "KEEP_HELPERS", keep)
+        monkeypatch.setattr(_interp, "_CACHE", _lru.LRU())  # no body rewritten in the other mode is reused
         flat[keep] = _flat(jax.make_jaxpr(jax.value_and_grad(fmp.autocast(fn, policy)))(p, x).jaxpr, [])
         vals[keep] = jax.jit(jax.value_and_grad(fmp.autocast(fn, policy)))(p, x)
     # the matmuls did run quantised: values in a float8 or float4 format appear
@@ -302,10 +305,22 @@ def _override_elsewhere(x, w, w2):  # an override on one scope; the shared cast 
     return jnp.sum(o)
 
 
+def _shared_with_an_override(x, w, w2):  # x is cast in an override scope and used again by a default-scope helper
+    with jax.named_scope("attn"):
+        h = x @ x.T
+    return jnp.sum(jnp.sin(jnp.matmul(h, x)))
+
+
 @pytest.mark.parametrize(
     "fn, kw",
-    [(_noop_astype, {}), (_identity_helper, {}), (_override_elsewhere, {"overrides": {"head": "float32"}})],
-    ids=["noop-astype", "identity-helper", "override-elsewhere"],
+    [
+        (_noop_astype, {}),
+        (_identity_helper, {}),
+        (_override_elsewhere, {"overrides": {"head": "float32"}}),
+        (_shared_with_an_override, {"overrides": {"attn": "mixed_bfloat16"}}),
+        (_shared_with_an_override, {"policy": "mixed_float8", "overrides": {"attn": "mixed_bfloat16"}}),
+    ],
+    ids=["noop-astype", "identity-helper", "override-elsewhere", "shared-with-override", "float8-shared-with-override"],
 )
 def test_one_value_under_two_names_shares_its_cast_as_inlined(fn, kw, monkeypatch):
     k = jax.random.split(jax.random.key(0), 3)
@@ -317,6 +332,7 @@ def test_one_value_under_two_names_shares_its_cast_as_inlined(fn, kw, monkeypatc
     out = {}
     for keep in (False, True):
         monkeypatch.setattr(_helpers, "KEEP_HELPERS", keep)
+        monkeypatch.setattr(_interp, "_CACHE", _lru.LRU())  # no body rewritten in the other mode is reused
         g = jax.numpy_dtype_promotion("standard")(fmp.autocast(fn, **kw))
         out[keep] = (
             _flat(jax.make_jaxpr(jax.grad(g, argnums=(0, 1)))(x, w, w2).jaxpr, []),

@@ -105,6 +105,6 @@ def test_a_cache_entry_goes_with_its_object_and_an_id_reused_is_not_a_hit():
     assert len(cache) == 0  # the entry went with its object
     b = Body()
     assert cache.of(b, key, lambda: make("b")) == "b"  # even under the same key, a new object is made anew
-    held = [1, 2]  # a list takes no weak reference: held by the entry, still correct
+    held = [1, 2]  # a tuple takes no weak reference: held by the entry, still correct
     assert cache.of(tuple(held), 99, lambda: make("t")) == "t"
     assert made == ["a", "b", "t"]

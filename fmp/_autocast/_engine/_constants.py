@@ -60,7 +60,7 @@ _ARITHMETIC = {
 
 _STEPS = 256  # a walk that visits more new values than this gives up (the value counts as a runtime value)
 
-# id(array) -> (array, its largest finite magnitude): a closed-over array is measured once
+# id(array) -> its largest finite magnitude, while the array lives: a closed-over array is measured once
 _MEASURED = LRU(256)
 
 _PENDING = object()  # a bound not found yet

@@ -1,6 +1,6 @@
 """What one rewrite carries: its ``Context`` (policy, rules, handlers, caches, explain rows) and value helpers.
 
-The bottom of ``fmp._autocast`` with ``_provenance``: the interpreter
+The bottom of ``fmp._autocast`` with ``_provenance`` and ``_frames``: the interpreter
 (``_interp``), the casts (``_cast``) and every handler read the context and
 these helpers; this module imports no other part of the rewrite.
 """

@@ -88,7 +88,7 @@ class Chain(Mapping):
         return sum(1 for _ in self)
 
 
-# id(jaxpr) -> (jaxpr, its producers, its use counts); holds the jaxpr, so its id is not reused while cached
+# id(jaxpr) -> (its producers, its use counts), while the jaxpr lives (``LRU.of``)
 _PRODUCERS = LRU(512)
 
 

@@ -166,7 +166,7 @@ def epilogue_sides(eqn: JaxprEqn, frame: Frame, is_low: Callable[[str], bool]) -
     return sides[0], sides[1]
 
 
-_AT_INPUTS = LRU(512)  # (id(body), epilogue ops) -> (body, answer)
+_AT_INPUTS = LRU(512)  # (id(body), epilogue ops) -> the answer, while the body lives
 
 
 def epilogue_eqns_at_inputs(body: Jaxpr, epilogue: frozenset[str]) -> tuple[tuple[int, JaxprEqn], ...] | None:

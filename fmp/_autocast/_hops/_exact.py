@@ -117,7 +117,7 @@ def _has_float8(ctx: Context) -> bool:
     return ctx.policy.float8 is not None or any(p.float8 is not None for _, p in ctx.overrides)
 
 
-_CONSUMERS = LRU(512)  # id(jaxpr) -> (jaxpr, {variable: the last equation that reads it})
+_CONSUMERS = LRU(512)  # id(jaxpr) -> {variable: the last equation that reads it}, while the jaxpr lives
 
 
 def _consumer(var: Any, jaxpr: Jaxpr) -> JaxprEqn | None:
@@ -144,7 +144,7 @@ def _decided_downstream(var: Any, frame: Frame, ctx: Context) -> bool:
     return ctx.rules.category(use.primitive.name) in _DECIDING
 
 
-_EXACT_CALLS = LRU(512)  # (id(body), dtype) -> (body, whether the call runs exactly in that dtype)
+_EXACT_CALLS = LRU(512)  # (id(body), dtype) -> whether the call runs exactly in that dtype, while the body lives
 
 
 def _exact_call(eqn: JaxprEqn, low: str, checking: set[str]) -> bool:

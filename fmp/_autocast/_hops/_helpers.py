@@ -56,17 +56,19 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
         if hints is None:
             orig = eqn.params["jaxpr"]
             return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
-        mark = None if ctx.records is None else len(ctx.records)
+        caller = ctx
         if scoped_float8(ctx):  # the float8 scope rule in the body sees which operands are weights here
             weights = tuple(None if weight_of(v, ctx.frames[-1]) is None else _WEIGHT for v in operands)
             ctx = dataclasses.replace(ctx, weights_in={id(closed.jaxpr): weights})
         new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
-        entry = _entry_casts_of(new) if _can_hoist(ctx, scope, closed.jaxpr) else {}
         # a value used once keeps its cast in the body; one used again has it here, shared with those uses
-        entry = {i: d for i, d in entry.items() if not used_once(operands[i], ctx.frames[-1])}
+        entry = {i: d for i, d in _entry_casts_of(new).items() if not used_once(operands[i], ctx.frames[-1])}
+        if entry and not _can_hoist(ctx, scope, closed.jaxpr):
+            # inlined, that cast would be shared with the value's other uses (one rounding of their summed
+            # gradients); kept, it could be neither shared nor moved here: inline
+            orig = eqn.params["jaxpr"]
+            return eval_jaxpr(orig.jaxpr, orig.consts, invals, caller, scope, call=eqn)
         if entry:
-            if mark is not None and ctx.records is not None:
-                del ctx.records[mark:]
             args = [cast(x, entry[i], ctx, eqn, scope) if i in entry else x for i, x in enumerate(args)]
             new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
     finally:
@@ -74,7 +76,7 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
     return bind(eqn, args, dict(params, jaxpr=new))
 
 
-_ENTRY = LRU(1024)  # id(rewritten body) -> (body, its entry casts); holds the body, so its id is not reused
+_ENTRY = LRU(1024)  # id(rewritten body) -> its entry casts, while the body lives
 
 
 def _entry_casts_of(body: ClosedJaxpr) -> dict[int, Any]:
@@ -188,7 +190,7 @@ def _entry_casts(body: ClosedJaxpr) -> dict[int, Any]:
 # The per-invar parameters of a ``jit`` equation (one entry per operand).
 _PER_OPERAND = ("in_shardings", "in_layouts", "donated_invars")
 
-# (id(body), constants) -> (body, specialised body); holds the body, so its id is not reused while cached
+# (id(body), constants) -> the specialised body, while the body lives
 _SPECIAL = LRU(1024)
 
 
