@@ -25,7 +25,7 @@ from fmp._autocast._engine._cast import cast, round_once
 from fmp._autocast._engine._context import Context, aval_of, dtype_name, is_castable, is_scalar_constant, record_eqn
 from fmp._autocast._engine._dims import contracted_size
 from fmp._autocast._engine._interp import bind
-from fmp._autocast._engine._provenance import BIAS, NOT_LOW, epilogue_sides, weight_of
+from fmp._autocast._engine._provenance import BIAS, NOT_LOW, TANGENT, epilogue_sides, weight_of
 from fmp._autocast._float8 import float8
 from fmp._core import _dtypes
 from fmp._core._rules import OVERRIDE, Category, decide, joined, moved
@@ -110,7 +110,7 @@ def _decided(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, policy:
     if category is Category.FLOAT8:
         if target is not None and policy.float8 is not None and len(floats) == len(invals) == 2:
             why = _float8_scope(eqn, ctx, policy)
-            if not why.startswith(_ACTIVATIONS):
+            if not why.startswith((_ACTIVATIONS, _TANGENTS)):
                 out = compute if eqn.params.get("preferred_element_type") is None else _preferred(eqn, compute)
                 return float8(eqn, invals, ctx, scope, policy, out, why)
         # no float8 recipe, nothing to cast (float64 inputs), or two activations: an ordinary lower_precision op
@@ -189,6 +189,7 @@ def keeps(eqn: JaxprEqn, ctx: Context, policy: Policy) -> bool:
 
 
 _ACTIVATIONS = "activation x activation"
+_TANGENTS = "a tangent of a custom_jvp rule"
 
 
 def _float8_scope(eqn: JaxprEqn, ctx: Context, policy: Policy) -> str:
@@ -197,10 +198,12 @@ def _float8_scope(eqn: JaxprEqn, ctx: Context, policy: Policy) -> str:
     if policy.float8.activations:
         return "activations=True"
     frame = ctx.frames[-1] if ctx.frames else None
-    for side, var in reversed(list(zip(("lhs", "rhs"), eqn.invars, strict=False))):
-        named = weight_of(var, frame) if frame is not None else None
-        if named is not None:
-            return f"weight operand ({side}: {named})"
+    named = [weight_of(var, frame) if frame is not None else None for var in eqn.invars]
+    if TANGENT in named:
+        return _TANGENTS
+    for side, label in reversed(list(zip(("lhs", "rhs"), named, strict=False))):
+        if label is not None:
+            return f"weight operand ({side}: {label})"
     return f"{_ACTIVATIONS} (Float8Recipe(activations=True) puts it in float8)"
 
 

@@ -9,6 +9,7 @@ all build their context here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from fmp._autocast import _leaf
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, dtype_name, is_castable
 from fmp._autocast._engine._interp import eval_jaxpr, transform_closed_uncached
+from fmp._autocast._engine._weights import top_weights
 from fmp._autocast._hops import _control
 from fmp._core._rules import DEFAULT_RULES, RuleSet
 from fmp._policy import Policy, get_policy
@@ -149,13 +151,18 @@ def _top_out_dtypes(closed: ClosedJaxpr, ctx: Context) -> list[Any]:
     ]
 
 
+def _top(closed: ClosedJaxpr, ctx: Context) -> Context:
+    """``ctx`` for the autocast function's own program: every input of it is a weight (the float8 scope rule)."""
+    return dataclasses.replace(ctx, weights_in=top_weights(closed.jaxpr))
+
+
 def rewrite_top(closed: ClosedJaxpr, ctx: Context) -> ClosedJaxpr:
     """The rewritten program as a new closed jaxpr."""
-    return transform_closed_uncached(closed, closed.in_avals, ctx, "", _top_out_dtypes(closed, ctx))
+    return transform_closed_uncached(closed, closed.in_avals, _top(closed, ctx), "", _top_out_dtypes(closed, ctx))
 
 
 def run_top(closed: ClosedJaxpr, args: Sequence[Any], ctx: Context) -> list[Any]:
     """Evaluates the rewritten program directly in the caller's trace (one trace fewer than
     ``jaxpr_as_fun(rewrite_top(...))``, with the same equations)."""
-    outs = eval_jaxpr(closed.jaxpr, closed.consts, args, ctx, "")
+    outs = eval_jaxpr(closed.jaxpr, closed.consts, args, _top(closed, ctx), "")
     return [o if d is None else cast(o, d, ctx) for o, d in zip(outs, _top_out_dtypes(closed, ctx), strict=True)]

@@ -31,7 +31,6 @@ from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._weights import (
     body_weights,
     frame_weights,
-    top_weights,
 )
 
 # Primitives whose sub-jaxpr is a scalar combiner typed for the original dtype,
@@ -110,8 +109,7 @@ def eval_jaxpr(
         owned = not shared  # a shared frame is kept by its parent, released with it
     else:
         owned = True
-        named = frame_weights(jaxpr, ctx.weights_in.get(id(jaxpr))) if ctx.frames else top_weights(jaxpr)
-        frame = frame_of(jaxpr, weights=named)
+        frame = frame_of(jaxpr, weights=frame_weights(jaxpr, ctx.weights_in.get(id(jaxpr))))
     if hints:
         frame = dataclasses.replace(frame, hints={id(jaxpr.eqns[i]): sides for i, sides in hints})
     if jaxpr.constvars:

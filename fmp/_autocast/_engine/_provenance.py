@@ -96,10 +96,19 @@ def into(call: JaxprEqn, out: Any, frame: Frame) -> tuple[Frame, Any]:
     return body_frame(call, frame), call.params["jaxpr"].jaxpr.outvars[k]
 
 
+# The label of a custom_jvp rule's tangent inputs (``_weights.rule_weights``): a value computed from one is no
+# weight, and a product of it stays out of float8 (JAX cannot transpose a float8 product's custom_vjp, and a
+# dynamically scaled product is not linear in its tangent).
+TANGENT = "a tangent"
+
+
 def weight_of(var: Any, frame: Frame) -> str | None:
     """How ``var`` names the weight it re-views (``"input 1"``, ``"constant"``: a literal broadcast, as
     ``jnp.ones``), or None for an activation: a value computed from something other than a weight, through
-    casts, reshapes, transposes and broadcasts."""
+    casts, reshapes, transposes and broadcasts; ``TANGENT`` for a value computed from a tangent."""
+    tangents = frozenset(v for v, label in frame.weights.items() if label == TANGENT)
+    if tangents and not isinstance(var, Literal) and depends(var, tangents, frame):
+        return TANGENT
     r, made, _ = root(var, frame, WEIGHT_VIEWS) if not isinstance(var, Literal) else (var, None, None)
     if made is not None:
         return None

@@ -22,16 +22,26 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._frames import Frame
-from fmp._autocast._engine._provenance import weight_of
+from fmp._autocast._engine._provenance import TANGENT, weight_of
 
 Labels = tuple[str | None, ...]
 
 
-def top_weights(jaxpr: Jaxpr) -> dict[Any, str]:
-    """The weights of the autocast function's own program: every input and constant."""
-    named = {v: f"input {i}" for i, v in enumerate(jaxpr.invars)}
-    named.update({v: "constant" for v in jaxpr.constvars})
-    return named
+def top_weights(jaxpr: Jaxpr) -> dict[int, Labels]:
+    """``weights_in`` of the autocast function's own program: every input is a weight (its constants are, as
+    in every body). Set by the top-level rewrite alone: a jaxpr rewritten with no frame around it (a
+    custom-derivative rule JAX asks for after the rewrite returned) is not the top level."""
+    return {id(jaxpr): tuple(f"input {i}" for i in range(len(jaxpr.invars)))}
+
+
+def rule_weights(labels: Labels | None, primals: int, rule: Jaxpr) -> dict[int, Labels]:
+    """``weights_in`` of a custom_jvp's jvp rule or a custom_vjp's fwd rule: its first ``primals`` inputs are
+    the call's operands, ``labels`` (``body_weights`` of the primal body); the rest, a jvp rule's tangents,
+    are ``TANGENT``."""
+    if len(rule.invars) < primals:
+        return {}
+    labels = (None,) * primals if labels is None else labels
+    return {id(rule): (*labels, *(TANGENT,) * (len(rule.invars) - primals))}
 
 
 def frame_weights(jaxpr: Jaxpr, labels: Labels | None) -> dict[Any, str]:

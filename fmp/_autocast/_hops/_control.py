@@ -9,6 +9,7 @@ so that its (unchanged) derivative rules still type-check.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -38,6 +39,7 @@ from fmp._autocast._engine._context import (
 )
 from fmp._autocast._engine._frames import is_inline_call
 from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, transform_closed
+from fmp._autocast._engine._weights import rule_weights
 from fmp._autocast._hops import _calls, _exact, _float8_rows
 from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN, run_bwd
 from fmp._autocast._hops._helpers import helper_call
@@ -242,9 +244,12 @@ def _custom(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[
     )
     new = transform_closed(closed, closed.in_avals, ctx, scope, _dtypes(closed.out_avals))
     params = dict(eqn.params, call_jaxpr=new)
+    labels = ctx.weights_in.get(id(closed.jaxpr))
 
     def rewrite(rule: ClosedJaxpr) -> ClosedJaxpr:  # the rule's own types are kept at its boundary
-        return transform_closed(rule, rule.in_avals, ctx, scope, _dtypes(rule.out_avals))
+        # its float8 decisions are the primal body's, whether JAX asks for it now or after the rewrite returned
+        sub = dataclasses.replace(ctx, weights_in=rule_weights(labels, len(closed.in_avals), rule.jaxpr))
+        return transform_closed(rule, rule.in_avals, sub, scope, _dtypes(rule.out_avals))
 
     thunk = "jvp_jaxpr_fun" if eqn.primitive is custom_jvp_call_p else "fwd_jaxpr_thunk"
     params[thunk] = _jax_internals.rewrap_rule_thunk(params[thunk], rewrite)

@@ -10,9 +10,8 @@ import jax
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import Context, aval_of
-from fmp._autocast._engine._interp import (
-    eval_jaxpr,
-)
+from fmp._autocast._engine._interp import eval_jaxpr
+from fmp._autocast._engine._weights import top_weights
 
 # The attribute fmp.bwd_as_written sets on a custom_vjp bwd rule.
 BWD_AS_WRITTEN = "__fmp_bwd_as_written__"
@@ -30,7 +29,10 @@ def run_bwd(call: Any, args: Any, ctx: Context, scope: str) -> list[Any]:
         return [o for o in outs if isinstance(o, jax.Array)]
 
     closed = _jax_internals.trace_to_closed_jaxpr(flat, [aval_of(a) for a in args], "fmp.autocast bwd")
-    sub = dataclasses.replace(ctx, records=None, memos=[], frames=[], tracebacks=[])
+    # every input of the rule (residuals, cotangents) counts as a weight for the float8 scope rule, as before
+    sub = dataclasses.replace(
+        ctx, records=None, memos=[], frames=[], tracebacks=[], weights_in=top_weights(closed.jaxpr)
+    )
     vals = eval_jaxpr(closed.jaxpr, closed.consts, list(args), sub, scope)
     vals = [cast(v, a.dtype, sub) for v, a in zip(vals, closed.out_avals, strict=True)]
     it = iter(vals)

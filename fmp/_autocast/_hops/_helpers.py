@@ -35,7 +35,7 @@ from fmp._autocast._engine._context import Context, aval_of, is_castable, is_sca
 from fmp._autocast._engine._frames import frame_of, release, returned_inputs, used_once
 from fmp._autocast._engine._interp import bind, eval_jaxpr, scoped_float8, transform_closed
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import epilogue_eqns_at_inputs, epilogue_sides, weight_of
+from fmp._autocast._engine._provenance import TANGENT, epilogue_eqns_at_inputs, epilogue_sides, weight_of
 from fmp._core import _scopes
 from fmp._core._rules import Category
 
@@ -58,7 +58,8 @@ def helper_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
             return eval_jaxpr(orig.jaxpr, orig.consts, invals, ctx, scope, call=eqn)
         caller = ctx
         if scoped_float8(ctx):  # the float8 scope rule in the body sees which operands are weights here
-            weights = tuple(None if weight_of(v, ctx.frames[-1]) is None else _WEIGHT for v in operands)
+            labels = (weight_of(v, ctx.frames[-1]) for v in operands)
+            weights = tuple(label if label in (None, TANGENT) else _WEIGHT for label in labels)
             ctx = dataclasses.replace(ctx, weights_in={id(closed.jaxpr): weights})
         new = transform_closed(closed, like_avals(closed.in_avals, args), ctx, scope, hints=hints)
         # a value used once keeps its cast in the body; one used again has it here, shared with those uses
