@@ -4,6 +4,8 @@ after it returned (``grad`` or ``jvp`` of a ``jit``); a jvp rule's tangent produ
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,8 +43,8 @@ def _jvp_loss(w, x):
     return jnp.sum(jnp.tanh(_linear(jnp.tanh(x), w)) ** 2)
 
 
-def _ways(loss):
-    f = fmp.autocast(loss, "mixed_float8")
+def _ways(loss, policy="mixed_float8"):
+    f = fmp.autocast(loss, policy)
     return {
         "grad": jax.value_and_grad(f),
         "grad of jit": jax.value_and_grad(jax.jit(f)),
@@ -51,9 +53,9 @@ def _ways(loss):
     }
 
 
-def _check(loss, ways):
+def _check(loss, ways, policy="mixed_float8"):
     w, x = _args()
-    forward = _float8_operands(jax.make_jaxpr(fmp.autocast(loss, "mixed_float8"))(w, x))
+    forward = _float8_operands(jax.make_jaxpr(fmp.autocast(loss, policy))(w, x))
     want = jax.tree.leaves(ways["grad"](w, x))[0]
     for name, way in ways.items():
         assert _float8_operands(jax.make_jaxpr(way)(w, x)) == forward, name
@@ -69,6 +71,13 @@ def test_jvp_rule_decides_as_the_primal_body_eager_and_jitted():
     got = jax.grad(fmp.autocast(_jvp_loss, "mixed_float8"))(w, x)
     ref = jax.grad(_jvp_loss)(w, x)
     assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 0.1
+
+
+def test_jvp_rule_tangent_products_stay_out_of_float8_with_activations_true():
+    # every product of the primal body is in float8, the rule's tangent products still are not (else reverse
+    # mode fails to transpose the float8 product's custom_vjp)
+    policy = dataclasses.replace(fmp.get_policy("mixed_float8"), float8=fmp.Float8Recipe(activations=True))
+    assert _check(_jvp_loss, _ways(_jvp_loss, policy), policy) == 2
 
 
 @jax.custom_vjp

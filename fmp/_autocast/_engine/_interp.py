@@ -28,6 +28,7 @@ from fmp._autocast._engine._cast import cast, restore
 from fmp._autocast._engine._context import REGION_SCOPE, Context, overridden, record_eqn, source_of
 from fmp._autocast._engine._frames import Chain, body_frame, frame_of, is_inline_call, release
 from fmp._autocast._engine._lru import LRU
+from fmp._autocast._engine._provenance import tangents_of
 from fmp._autocast._engine._weights import (
     body_weights,
     frame_weights,
@@ -266,6 +267,9 @@ def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> l
 
 def scoped_float8(ctx: Context) -> bool:
     """Whether float8 decisions look for weight operands (a recipe here or in an override, not opted into
-    activation products); the bodies of a higher-order equation then learn which of their inputs are weights."""
+    activation products, or any recipe in a custom_jvp rule, whose tangents stay out of float8); the bodies
+    of a higher-order equation then learn which of their inputs are weights or tangents."""
     recipes = [p.float8 for p in (ctx.policy, *(pol for _, pol in ctx.overrides)) if p.float8 is not None]
-    return bool(ctx.frames) and any(not r.activations for r in recipes)
+    if not ctx.frames or not recipes:
+        return False
+    return any(not r.activations for r in recipes) or bool(tangents_of(ctx.frames[-1]))
