@@ -116,9 +116,12 @@ class Context:
     weights_in: Mapping[int, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
 
     def site_key(self) -> Any:
-        """A key of its own for the next block-scaled site (None without a caller's key)."""
+        """A key of its own for the next block-scaled site, or for the next body that takes a key as an input
+        (its sites fold in their own numbers from it); None without a caller's key."""
         if self.key is None:
             return None
+        if isinstance(self.key, NoKey):
+            raise ValueError(_MSG_NO_KEY)
         self.key_sites[0] += 1
         return jax.random.fold_in(self.key, self.key_sites[0])
 
@@ -150,6 +153,25 @@ class Context:
             full = fields.pop("source")
             row = OpRecord(index=len(self.records), source=short_source(full), source_full=full, **fields)
             self.records.append(row)
+
+
+_MSG_NO_KEY = (
+    "fmp.autocast(key=...): a block-scaled (NVFP4) matmul inside a while_loop, custom_jvp/custom_vjp rule, "
+    "linear solve, composite or shard_map body cannot take the key for stochastic rounding (such a body has no "
+    "input for it). Call fmp.autocast without key= (gradients round to nearest), or write the loop as lax.scan "
+    "(or lax.fori_loop with static bounds), or unroll it."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoKey:
+    """``Context.key`` in a body that cannot take the caller's key as an input: a block-scaled site there
+    raises (the body's trace must not close over the caller's key, and a constant key would repeat its bits)."""
+
+
+def passes_key(ctx: Context) -> bool:
+    """Whether a body rewritten under ``ctx`` takes a stochastic-rounding key as its last input."""
+    return ctx.key is not None and not isinstance(ctx.key, NoKey)
 
 
 def _names(avals: Sequence[Any]) -> tuple[str, ...]:

@@ -20,12 +20,22 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, jaxprs_in_params
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast, restore
-from fmp._autocast._engine._context import REGION_SCOPE, Context, overridden, record_eqn, source_of
+from fmp._autocast._engine._context import (
+    REGION_SCOPE,
+    Context,
+    NoKey,
+    aval_of,
+    overridden,
+    passes_key,
+    record_eqn,
+    source_of,
+)
 from fmp._autocast._engine._frames import Chain, body_frame, frame_of, is_inline_call, release
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._provenance import tangents_of
@@ -148,19 +158,23 @@ def transform_closed(
     out_dtypes: Sequence[Any] | None = None,
     hints: tuple[tuple[int, tuple[str, str]], ...] = (),
     rows: Rows | None = None,
+    keyed: bool = False,
 ) -> ClosedJaxpr:
     """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free).
     ``hints``: see ``eval_jaxpr``. ``rows``: the body gets one more input, the amax-history rows of its
-    delayed-scaling float8 sites (``Rows``).
+    delayed-scaling float8 sites (``Rows``). ``keyed``: under a caller's stochastic-rounding key the body gets
+    one more (last) input, its own key (``key_input``), from which its block-scaled sites fold in their
+    numbers; a body rewritten without one under a key raises at such a site (``NoKey``).
 
     Results are memoised on the jaxpr object and the configuration, for
     jaxprs without constants (so no cached entry keeps arrays or tracers
-    alive), not while recording for explain nor handing out float8 history rows: JAX reuses jaxpr objects for
+    alive), not while recording for explain, handing out float8 history rows or under a caller's key (a
+    body's key is its input, but a stored body would outlive it): JAX reuses jaxpr objects for
     repeated calls (two ``softmax`` calls share one), and handing JAX back the
     same rewritten object lets it reuse its own caches.
     """
     key = None
-    if ctx.records is None and not closed.consts and ctx.fp8_sites is None and rows is None:
+    if ctx.records is None and not closed.consts and ctx.fp8_sites is None and rows is None and ctx.key is None:
         dts = None if out_dtypes is None else tuple(out_dtypes)
         marks = ctx.weights_in.get(id(closed.jaxpr))
         key = (closed, tuple(in_avals), ctx.policy, ctx.rules, ctx.overrides, prefix, dts, hints, marks)
@@ -170,7 +184,7 @@ def transform_closed(
     if key is not None and _unchanged(closed, in_avals, ctx, prefix, out_dtypes):
         result = closed  # the rewrite would bind every equation as written: no trace (and JAX's caches hold)
     else:
-        result = transform_closed_uncached(closed, in_avals, ctx, prefix, out_dtypes, hints, rows)
+        result = transform_closed_uncached(closed, in_avals, ctx, prefix, out_dtypes, hints, rows, keyed)
     if key is not None:
         _CACHE.put(key, result)
     return result
@@ -212,12 +226,20 @@ def transform_closed_uncached(
     out_dtypes: Sequence[Any] | None,
     hints: tuple[tuple[int, tuple[str, str]], ...] = (),
     rows: Rows | None = None,
+    keyed: bool = False,
 ) -> ClosedJaxpr:
+    keyed = keyed and passes_key(ctx)
+
     def fun(*args: Any) -> list[Any]:
         sub = ctx
         if rows is not None:
             args = list(args)
             sub = dataclasses.replace(ctx, fp8_sites=rows.feeder(args.pop(rows.position)))
+        if keyed:
+            *args, key = args
+            sub = dataclasses.replace(sub, key=key, key_sites=[0])
+        elif ctx.key is not None:
+            sub = dataclasses.replace(sub, key=NoKey())
         outs = eval_jaxpr(closed.jaxpr, closed.consts, args, sub, prefix, hints=hints)
         if out_dtypes is None:
             return outs
@@ -225,6 +247,8 @@ def transform_closed_uncached(
 
     if rows is not None:
         in_avals = [*in_avals[: rows.position], rows.aval, *in_avals[rows.position :]]
+    if keyed:
+        in_avals = [*in_avals, aval_of(ctx.key)]
     return _jax_internals.trace_to_closed_jaxpr(fun, in_avals, "fmp.autocast")
 
 
@@ -235,6 +259,15 @@ class Rows:
     position: int
     aval: Any
     feeder: Callable[[Any], Any]
+
+
+def key_input(ctx: Context, length: int | None = None) -> list[Any]:
+    """The last input of a body rewritten with ``keyed=True`` (none without a key): a key of its own, folded
+    from the caller's; for a scan body, ``length`` keys scanned over, one per iteration (per layer)."""
+    if not passes_key(ctx):
+        return []
+    key = ctx.site_key()
+    return [key if length is None else jax.random.split(key, length)]
 
 
 def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

@@ -17,8 +17,8 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import restore
-from fmp._autocast._engine._context import Context, Handler, like_avals
-from fmp._autocast._engine._interp import bind, transform_closed
+from fmp._autocast._engine._context import Context, Handler, like_avals, passes_key
+from fmp._autocast._engine._interp import bind, key_input, transform_closed
 from fmp._autocast._hops import _float8_rows
 from fmp._core._rules import Category
 from fmp._policy import get_policy
@@ -64,11 +64,15 @@ def rewrite_call(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> 
 
 
 def _call_body(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str) -> tuple[ClosedJaxpr, list[Any]]:
-    """A call's body rewritten for the current input dtypes, and its inputs (plus its float8 history rows)."""
+    """A call's body rewritten for the current input dtypes, and its inputs (plus its float8 history rows and
+    its stochastic-rounding key)."""
     avals = like_avals(list(closed.in_avals), invals)
-    ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
-    new = transform_closed(closed, avals, ctx, scope, rows=rows)
-    return new, invals if block is None else [*invals, block]
+    keyed = passes_key(ctx)
+    ctx, rows, block = _float8_rows.body_rows(
+        ctx, lambda c: transform_closed(closed, avals, c, scope, keyed=keyed), len(avals)
+    )
+    new = transform_closed(closed, avals, ctx, scope, rows=rows, keyed=keyed)
+    return new, [*invals, *([] if block is None else [block]), *key_input(ctx)]
 
 
 def bind_closed_call(closed: ClosedJaxpr, invals: list[Any]) -> list[Any]:

@@ -31,14 +31,16 @@ from fmp._autocast._engine._cast import cast
 from fmp._autocast._engine._context import (
     Context,
     Handler,
+    NoKey,
     aval_of,
     calling,
     dtype_name,
     is_castable,
     like_avals,
+    passes_key,
 )
 from fmp._autocast._engine._frames import is_inline_call
-from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, transform_closed
+from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, key_input, transform_closed
 from fmp._autocast._engine._weights import rule_weights
 from fmp._autocast._hops import _calls, _exact, _float8_rows
 from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN, run_bwd
@@ -62,11 +64,16 @@ def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
     closed: ClosedJaxpr = eqn.params["jaxpr"]
     avals = like_avals(closed.in_avals, invals)
     with calling(ctx, eqn):
-        ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
-        new = transform_closed(closed, avals, ctx, scope, rows=rows)
-    if block is None:
-        return bind(eqn, invals, dict(eqn.params, jaxpr=new))
-    return bind(eqn, [*invals, block], _jax_internals.jit_params_with_input(dict(eqn.params, jaxpr=new)))
+        keyed = passes_key(ctx)
+        ctx, rows, block = _float8_rows.body_rows(
+            ctx, lambda c: transform_closed(closed, avals, c, scope, keyed=keyed), len(avals)
+        )
+        new = transform_closed(closed, avals, ctx, scope, rows=rows, keyed=keyed)
+    params = dict(eqn.params, jaxpr=new)
+    extra = ([] if block is None else [block]) + key_input(ctx)
+    for _ in extra:
+        params = _jax_internals.jit_params_with_input(params)
+    return bind(eqn, [*invals, *extra], params)
 
 
 # A loop's carry dtypes are found by iteration; each carry can only widen (bfloat16/float16 -> float32), so
@@ -89,6 +96,7 @@ def loop_body(
     ctx: Context,
     scope: str,
     rows: Rows | None = None,
+    keyed: bool = False,
 ) -> tuple[ClosedJaxpr, list[Any]]:
     """Rewrites a loop body and finds its carry dtypes: ``(body, carry_avals)``.
 
@@ -98,7 +106,8 @@ def loop_body(
     fixed point). So a value that enters the loop in bfloat16 and that the body
     keeps in bfloat16 stays bfloat16, while a float32 accumulator stays float32.
     ``before`` / ``after`` are the avals of the body's other inputs (consts, xs);
-    ``rows``: the body's float8 history rows, its last input (``_float8_rows``).
+    ``rows``: the body's float8 history rows, its last input (``_float8_rows``); ``keyed``: the body takes
+    a stochastic-rounding key after them (``_interp.key_input``).
     """
     mark = None if ctx.records is None else len(ctx.records)
     nk = len(carry_avals)
@@ -111,7 +120,7 @@ def loop_body(
         if mark is not None and ctx.records is not None:
             del ctx.records[mark:]
         avals = [a if d is None else a.update(dtype=d) for a, d in zip(carry_avals, dts, strict=True)]
-        body = transform_closed(closed, before + avals + after, ctx, scope, rows=rows)
+        body = transform_closed(closed, before + avals + after, ctx, scope, rows=rows, keyed=keyed)
         outs = body.out_avals[:nk]
         nxt = [d if d is None else _join(d, o.dtype) for d, o in zip(dts, outs, strict=True)]
         if nxt == dts:
@@ -119,7 +128,7 @@ def loop_body(
         dts = nxt
     else:  # not reached: the join is monotone; fall back to the original program's carry dtypes
         avals = list(carry_avals)
-        body = transform_closed(closed, before + avals + after, ctx, scope, rows=rows)
+        body = transform_closed(closed, before + avals + after, ctx, scope, rows=rows, keyed=keyed)
     want = [a.dtype if hasattr(a, "dtype") else None for a in avals]
     pinned = want + [None] * (len(closed.out_avals) - nk)
     return pin_outputs(body, pinned, ctx), avals
@@ -155,14 +164,17 @@ def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     carry_avals = list(closed.in_avals[nc : nc + nk])
 
     def loop(c: Context, rows: Rows | None = None) -> tuple[ClosedJaxpr, list[Any]]:
-        return loop_body(closed, before, carry_avals, after, carry, c, scope, rows)
+        return loop_body(closed, before, carry_avals, after, carry, c, scope, rows, keyed)
 
+    keyed = passes_key(ctx)  # the body takes one key per iteration, scanned over like its xs
     ctx, rows, block = _float8_rows.body_rows(ctx, loop, len(closed.in_avals), length=p["length"])
     new, carry_avals = loop(ctx, rows)
     carry = pin(carry, carry_avals, ctx)
-    if block is None:
-        return bind(eqn, consts + carry + xs, dict(p, jaxpr=new))
-    return bind(eqn, consts + carry + xs + [block], _jax_internals.scan_params_with_xs(dict(p, jaxpr=new)))
+    params = dict(p, jaxpr=new)
+    extra = ([] if block is None else [block]) + key_input(ctx, p["length"])
+    for _ in extra:
+        params = _jax_internals.scan_params_with_xs(params)
+    return bind(eqn, consts + carry + xs + extra, params)
 
 
 def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
@@ -187,14 +199,14 @@ def _while(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
 def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     branches: tuple[ClosedJaxpr, ...] = eqn.params["branches"]
     index, ops = invals[0], invals[1:]
-    rewrites = [functools.partial(_branch, b, like_avals(b.in_avals, ops), scope) for b in branches]
+    keyed = passes_key(ctx)  # every branch takes the same key: one of them runs
+    rewrites = [functools.partial(_branch, b, like_avals(b.in_avals, ops), scope, keyed) for b in branches]
     ctx, rows, block = _float8_rows.cond_rows(ctx, rewrites, len(ops))
     new = [
-        transform_closed(b, like_avals(b.in_avals, ops), ctx, scope, rows=r)
+        transform_closed(b, like_avals(b.in_avals, ops), ctx, scope, rows=r, keyed=keyed)
         for b, r in zip(branches, rows, strict=True)
     ]
-    if block is not None:
-        ops = [*ops, block]
+    ops = [*ops, *([] if block is None else [block]), *key_input(ctx)]
     outs = [tuple(getattr(a, "dtype", None) for a in b.out_avals) for b in new]
     if len(set(outs)) > 1:  # branches disagree: pin the outputs that differ to the original dtype
         pinned = [None if len({o[i] for o in outs}) == 1 else v.aval.dtype for i, v in enumerate(eqn.outvars)]
@@ -202,18 +214,20 @@ def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     return bind(eqn, [index, *ops], dict(eqn.params, branches=tuple(new)))
 
 
-def _branch(closed: ClosedJaxpr, avals: list[Any], scope: str, ctx: Context) -> ClosedJaxpr:
-    return transform_closed(closed, avals, ctx, scope)
+def _branch(closed: ClosedJaxpr, avals: list[Any], scope: str, keyed: bool, ctx: Context) -> ClosedJaxpr:
+    return transform_closed(closed, avals, ctx, scope, keyed=keyed)
 
 
 def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     p = eqn.params
     closed = _jax_internals.as_closed(p["jaxpr"])
     avals = like_avals(closed.in_avals, invals)
-    ctx, rows, block = _float8_rows.body_rows(ctx, lambda c: transform_closed(closed, avals, c, scope), len(avals))
-    new = transform_closed(closed, avals, ctx, scope, rows=rows)
-    if block is not None:
-        invals = [*invals, block]
+    keyed = passes_key(ctx)
+    ctx, rows, block = _float8_rows.body_rows(
+        ctx, lambda c: transform_closed(closed, avals, c, scope, keyed=keyed), len(avals)
+    )
+    new = transform_closed(closed, avals, ctx, scope, rows=rows, keyed=keyed)
+    invals = [*invals, *([] if block is None else [block]), *key_input(ctx)]
     if not new.consts:
         return bind(eqn, invals, dict(p, jaxpr=new.jaxpr))
     fun = jax.checkpoint(jaxpr_as_fun(new), prevent_cse=p["prevent_cse"], policy=p["policy"])
@@ -274,6 +288,9 @@ def _custom_in(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str, low: 
 
 def _shard_map(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:
     jaxpr = eqn.params["jaxpr"]
+
+    if ctx.key is not None:  # the body is traced apart and has no input for a key
+        ctx = dataclasses.replace(ctx, key=NoKey())
 
     def body(*xs: Any) -> list[Any]:
         return eval_jaxpr(jaxpr, (), xs, ctx, scope)

@@ -9,7 +9,7 @@ import jax
 
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import cast
-from fmp._autocast._engine._context import Context, aval_of
+from fmp._autocast._engine._context import Context, NoKey, aval_of
 from fmp._autocast._engine._interp import eval_jaxpr
 from fmp._autocast._engine._weights import top_weights
 
@@ -33,6 +33,8 @@ def run_bwd(call: Any, args: Any, ctx: Context, scope: str) -> list[Any]:
     sub = dataclasses.replace(
         ctx, records=None, memos=[], frames=[], tracebacks=[], weights_in=top_weights(closed.jaxpr)
     )
+    if ctx.key is not None:  # traced apart, with no input for a key
+        sub = dataclasses.replace(sub, key=NoKey())
     vals = eval_jaxpr(closed.jaxpr, closed.consts, list(args), sub, scope)
     vals = [cast(v, a.dtype, sub) for v, a in zip(vals, closed.out_avals, strict=True)]
     it = iter(vals)

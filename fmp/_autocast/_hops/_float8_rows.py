@@ -38,7 +38,7 @@ def labels(ctx: Context, rewrite: Callable[[Context], Any]) -> list[str]:
     if ctx.fp8_sites is None:
         return []
     counter = SiteFeeder(None)
-    rewrite(dataclasses.replace(ctx, fp8_sites=counter, records=None))
+    rewrite(dataclasses.replace(ctx, fp8_sites=counter, records=None, key=None))
     return counter.labels
 
 
