@@ -6,6 +6,8 @@ subprocesses get their own environment) except those marked ``xdist_group("proce
 that meet on a localhost port (jax.distributed, torch.distributed gloo, examples/multiprocess.py), and the
 session or module fixtures that launch them run once per worker. One worker runs that whole group, one launch
 at a time, so no two launches race for a port, starve each other past a collective's timeout or run twice.
+A test file whose module-scoped fixture is costly (a model compared, a plan searched, an example's run)
+marks the tests that use it with an ``xdist_group`` of its own, so one worker computes it, not both.
 """
 
 from __future__ import annotations

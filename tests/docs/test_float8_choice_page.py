@@ -19,6 +19,7 @@ ASSETS = ROOT / "docs" / "assets"
 FIX = {"overrides": {"LM/Dense_0": "mixed_bfloat16"}}
 # the example compares the small LM twice under float8 (about 30 s of CPU): CI runs it with the galleries
 GALLERY = pytest.mark.gallery
+pytestmark = pytest.mark.xdist_group("float8_choice_page")  # its module fixtures once (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ FIX = 'overrides={"LM/Rotary_0": "float32"}'
 # the example's run takes about 25 s of CPU, most of it compiling each op once for the eager comparison: CI runs
 # it with the galleries; the caveat at the end of the page is checked in the default suite
 GALLERY = pytest.mark.gallery
+pytestmark = pytest.mark.xdist_group("precision_loss_page")  # its module fixtures once (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

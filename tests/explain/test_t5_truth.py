@@ -12,6 +12,8 @@ import fmp
 
 LOW = ("bfloat16", "float16")
 
+pytestmark = pytest.mark.xdist_group("t5_truth")  # its module fixtures once (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def t5():

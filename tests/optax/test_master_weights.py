@@ -219,6 +219,7 @@ def curves():
     return result, module["summary"](result)
 
 
+@pytest.mark.xdist_group("master_weights_curves")  # the 200-step curves once (tests/conftest.py)
 def test_master_weights_track_float32_over_200_steps(curves):
     result, s = curves
     f32, mw = result["float32"], result["bfloat16 + master_weights"]
@@ -233,6 +234,7 @@ def test_master_weights_track_float32_over_200_steps(curves):
     assert s["steps where bf16 params == cast(master)"] >= 195
 
 
+@pytest.mark.xdist_group("master_weights_curves")  # the 200-step curves once (tests/conftest.py)
 def test_plain_bfloat16_visibly_stalls(curves):
     result, s = curves
     assert s["final loss bf16"] > 0.5 * s["initial loss"]

@@ -28,6 +28,7 @@ def default_plan(params):
     return fmp.plan(P.jax_loss, params, x0, batches=[x1], device=P.IDEAL)
 
 
+@pytest.mark.xdist_group("plan_jax")  # default_plan once (tests/conftest.py)
 def test_planted_sites_stay_out_of_float8_and_alike_sites_take_it(default_plan):
     got = default_plan.formats
     assert [got[k] for k in P.ALIKE] == ["float8"] * len(P.ALIKE)
@@ -38,6 +39,7 @@ def test_planted_sites_stay_out_of_float8_and_alike_sites_take_it(default_plan):
     assert rows["head"].why.startswith("float8 ")
 
 
+@pytest.mark.xdist_group("plan_jax")  # default_plan once (tests/conftest.py)
 def test_the_plan_runs_under_autocast_and_meets_its_budget(default_plan, params):
     plan = default_plan
     assert plan.error <= plan.budget and plan.grad_error is not None
@@ -51,10 +53,12 @@ def test_the_plan_runs_under_autocast_and_meets_its_budget(default_plan, params)
     assert bool(jnp.isfinite(loss))
 
 
+@pytest.mark.xdist_group("plan_jax")  # default_plan once (tests/conftest.py)
 def test_a_held_back_batch_stays_within_the_budget(default_plan, params):
     assert_plan(P.jax_loss, default_plan, params, jnp.asarray(P.batch(7)))
 
 
+@pytest.mark.xdist_group("plan_jax")  # default_plan once (tests/conftest.py)
 def test_assert_plan_names_the_site_that_exceeds_its_share(default_plan, params):
     broken = dict(params)
     w = np.array(P.weights()["mlp2"])

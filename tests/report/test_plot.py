@@ -17,6 +17,7 @@ from matplotlib.figure import Figure  # noqa: E402
 K = jax.random.split(jax.random.key(0), 3)
 W = jax.random.normal(K[1], (32, 32)) / 6
 RULES = fmp.DEFAULT_RULES.derive(lower_precision=["exp"])  # a planted mistake: exp of large values in bfloat16
+pytestmark = pytest.mark.xdist_group("report_plot")  # its module fixtures once (tests/conftest.py)
 
 
 def planted(x, w):

@@ -20,6 +20,7 @@ def torch_plan():
     return fmp.torch.plan_fx(model, (x0,), batches=[x1], device=P.IDEAL)
 
 
+@pytest.mark.xdist_group("plan_fx")  # torch_plan once (tests/conftest.py)
 def test_the_same_model_gets_the_same_plan_in_jax_and_torch(torch_plan):
     params = {k: jnp.asarray(v) for k, v in P.weights().items()}
     jax_plan = fmp.plan(P.jax_loss, params, jnp.asarray(P.batch(0)), batches=[jnp.asarray(P.batch(1))], device=P.IDEAL)
@@ -33,6 +34,7 @@ def test_the_same_model_gets_the_same_plan_in_jax_and_torch(torch_plan):
             assert t.predicted_time == pytest.approx(j.predicted_time)
 
 
+@pytest.mark.xdist_group("plan_fx")  # torch_plan once (tests/conftest.py)
 def test_the_plan_runs_under_autocast_fx(torch_plan):
     model = P.torch_loss(P.weights())
     x = torch.tensor(P.batch(0))

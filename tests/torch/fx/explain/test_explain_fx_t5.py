@@ -13,6 +13,7 @@ import fmp  # noqa: E402
 import fmp.torch  # noqa: E402
 
 POLICY = ("cpu", torch.float16)
+pytestmark = pytest.mark.xdist_group("explain_fx_t5")  # its module fixtures once (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
