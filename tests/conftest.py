@@ -15,10 +15,20 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
 
-import jax
-import pytest
+# Set before any test module imports torch. Under pytest-xdist with a worker per core (`-n auto`, as CI and the
+# README run the suite) torch's default of one intra-op thread per core puts twice as many busy threads as cores
+# on the machine, and OpenMP threads spin while they wait: next to other work on the 2-core machine, 60 steps of
+# examples/low_precision_training.py's torch runs took 45 s of CPU with 2 threads and 12 s with 1 (same losses).
+# One thread per worker, and in the processes the tests start (they inherit it); an OMP_NUM_THREADS already set
+# is kept.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= (os.cpu_count() or 1):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 
 class _TorchNotInstalled(importlib.abc.MetaPathFinder):
