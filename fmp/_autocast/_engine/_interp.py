@@ -163,7 +163,7 @@ def transform_closed(
     """Rewrites ``closed`` for inputs of ``in_avals``; ``out_dtypes`` pins output dtypes (None: free).
     ``hints``: see ``eval_jaxpr``. ``rows``: the body gets one more input, the amax-history rows of its
     delayed-scaling float8 sites (``Rows``). ``keyed``: under a caller's stochastic-rounding key the body gets
-    one more (last) input, its own key (``key_input``), from which its block-scaled sites fold in their
+    one more (last) input, its own key (``extra_inputs``), from which its block-scaled sites fold in their
     numbers; a body rewritten without one under a key raises at such a site (``NoKey``).
 
     Results are memoised on the jaxpr object and the configuration, for
@@ -261,13 +261,15 @@ class Rows:
     feeder: Callable[[Any], Any]
 
 
-def key_input(ctx: Context, length: int | None = None) -> list[Any]:
-    """The last input of a body rewritten with ``keyed=True`` (none without a key): a key of its own, folded
-    from the caller's; for a scan body, ``length`` keys scanned over, one per iteration (per layer)."""
-    if not passes_key(ctx):
-        return []
-    key = ctx.site_key()
-    return [key if length is None else jax.random.split(key, length)]
+def extra_inputs(ctx: Context, block: Any, length: int | None = None) -> list[Any]:
+    """The inputs a body rewritten with ``rows`` and ``keyed`` takes after its own: its history ``block``
+    (if any), then (under a caller's key) a key of its own, folded from the caller's; for a scan body,
+    ``length`` keys scanned over, one per iteration (per layer)."""
+    extra = [] if block is None else [block]
+    if passes_key(ctx):
+        key = ctx.site_key()
+        extra.append(key if length is None else jax.random.split(key, length))
+    return extra
 
 
 def rewrite_eqn(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any]:

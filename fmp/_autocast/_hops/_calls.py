@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn
 from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._cast import restore
 from fmp._autocast._engine._context import Context, Handler, like_avals, passes_key
-from fmp._autocast._engine._interp import bind, key_input, transform_closed
+from fmp._autocast._engine._interp import bind, extra_inputs, transform_closed
 from fmp._autocast._hops import _float8_rows
 from fmp._core._rules import Category
 from fmp._policy import get_policy
@@ -72,7 +72,7 @@ def _call_body(closed: ClosedJaxpr, invals: list[Any], ctx: Context, scope: str)
         ctx, lambda c: transform_closed(closed, avals, c, scope, keyed=keyed), len(avals)
     )
     new = transform_closed(closed, avals, ctx, scope, rows=rows, keyed=keyed)
-    return new, [*invals, *([] if block is None else [block]), *key_input(ctx)]
+    return new, [*invals, *extra_inputs(ctx, block)]
 
 
 def bind_closed_call(closed: ClosedJaxpr, invals: list[Any]) -> list[Any]:

@@ -40,7 +40,7 @@ from fmp._autocast._engine._context import (
     passes_key,
 )
 from fmp._autocast._engine._frames import is_inline_call
-from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, key_input, transform_closed
+from fmp._autocast._engine._interp import Rows, bind, eval_jaxpr, extra_inputs, transform_closed
 from fmp._autocast._engine._weights import rule_weights
 from fmp._autocast._hops import _calls, _exact, _float8_rows
 from fmp._autocast._hops._custom_bwd import BWD_AS_WRITTEN, run_bwd
@@ -70,7 +70,7 @@ def _jit(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[Any
         )
         new = transform_closed(closed, avals, ctx, scope, rows=rows, keyed=keyed)
     params = dict(eqn.params, jaxpr=new)
-    extra = ([] if block is None else [block]) + key_input(ctx)
+    extra = extra_inputs(ctx, block)
     for _ in extra:
         params = _jax_internals.jit_params_with_input(params)
     return bind(eqn, [*invals, *extra], params)
@@ -107,7 +107,7 @@ def loop_body(
     keeps in bfloat16 stays bfloat16, while a float32 accumulator stays float32.
     ``before`` / ``after`` are the avals of the body's other inputs (consts, xs);
     ``rows``: the body's float8 history rows, its last input (``_float8_rows``); ``keyed``: the body takes
-    a stochastic-rounding key after them (``_interp.key_input``).
+    a stochastic-rounding key after them (``_interp.extra_inputs``).
     """
     mark = None if ctx.records is None else len(ctx.records)
     nk = len(carry_avals)
@@ -171,7 +171,7 @@ def _scan(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
     new, carry_avals = loop(ctx, rows)
     carry = pin(carry, carry_avals, ctx)
     params = dict(p, jaxpr=new)
-    extra = ([] if block is None else [block]) + key_input(ctx, p["length"])
+    extra = extra_inputs(ctx, block, p["length"])
     for _ in extra:
         params = _jax_internals.scan_params_with_xs(params)
     return bind(eqn, consts + carry + xs + extra, params)
@@ -206,7 +206,7 @@ def _cond(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[An
         transform_closed(b, like_avals(b.in_avals, ops), ctx, scope, rows=r, keyed=keyed)
         for b, r in zip(branches, rows, strict=True)
     ]
-    ops = [*ops, *([] if block is None else [block]), *key_input(ctx)]
+    ops = [*ops, *extra_inputs(ctx, block)]
     outs = [tuple(getattr(a, "dtype", None) for a in b.out_avals) for b in new]
     if len(set(outs)) > 1:  # branches disagree: pin the outputs that differ to the original dtype
         pinned = [None if len({o[i] for o in outs}) == 1 else v.aval.dtype for i, v in enumerate(eqn.outvars)]
@@ -227,7 +227,7 @@ def _remat(eqn: JaxprEqn, invals: list[Any], ctx: Context, scope: str) -> list[A
         ctx, lambda c: transform_closed(closed, avals, c, scope, keyed=keyed), len(avals)
     )
     new = transform_closed(closed, avals, ctx, scope, rows=rows, keyed=keyed)
-    invals = [*invals, *([] if block is None else [block]), *key_input(ctx)]
+    invals = [*invals, *extra_inputs(ctx, block)]
     if not new.consts:
         return bind(eqn, invals, dict(p, jaxpr=new.jaxpr))
     fun = jax.checkpoint(jaxpr_as_fun(new), prevent_cse=p["prevent_cse"], policy=p["policy"])
