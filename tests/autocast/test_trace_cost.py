@@ -11,6 +11,8 @@ operands found anew at every call) would take sixteen times as many.
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import weakref
 
 import jax
@@ -51,6 +53,38 @@ def test_walk_steps_grow_linearly_with_depth(policy):
     shallow, deep = _steps(64, policy), _steps(256, policy)
     assert shallow > 64  # the walks ran (a counter nobody increments would pass any ratio)
     assert deep / shallow < 5.0, (shallow, deep)  # linear: ~4x; quadratic: ~16x
+
+
+_FMP = os.path.dirname(fmp.__file__) + os.sep
+
+
+def _fmp_lines(layers: int, policy: str) -> int:
+    """Lines of fmp's own code the rewrite runs (a loop's every turn counts: ``sys.settrace`` line events,
+    traced in fmp's frames only)."""
+    args, count = (_params(layers), jnp.ones((2, D))), [0]
+
+    def in_fmp(frame, event, arg):
+        count[0] += 1
+        return in_fmp
+
+    def enter(frame, event, arg):
+        return in_fmp if frame.f_code.co_filename.startswith(_FMP) else None
+
+    sys.settrace(enter)
+    try:
+        jax.make_jaxpr(fmp.autocast(_mlp, policy))(*args)
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float8"])
+def test_lines_run_in_fmp_grow_linearly_with_depth(policy):
+    """All of the rewrite, walks or not: a pass over all the program's weights per float8 operand (asking
+    whether the operand comes from a custom_jvp rule's tangents) once made this 7x for 4x the layers."""
+    shallow, deep = _fmp_lines(16, policy), _fmp_lines(64, policy)
+    assert shallow > 16 * 1000, shallow  # the trace saw the rewrite
+    assert deep / shallow < 4.6, (shallow, deep)  # linear: ~3.9x
 
 
 def test_no_frame_of_a_rewrite_is_left_for_the_garbage_collector():

@@ -54,9 +54,18 @@ class Frame:
     jaxpr: Jaxpr | None = None  # the frame's own jaxpr
     # id(inline call equation) -> (the equation, its body's frame under this one), made by ``into``
     children: dict[int, tuple[JaxprEqn, Frame]] = dataclasses.field(default_factory=dict)
+    # the variables of ``weights`` labelled ``TANGENT`` (the tangent inputs of a custom_jvp rule), found once
+    tangents: frozenset[Any] = frozenset()
+    # id(equation) -> the variables of ``jaxpr`` it is the last to read (``last_reads``)
+    last: Mapping[int, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
 
 
 _MISSING = object()
+
+# The label of a custom_jvp rule's tangent inputs (``_weights.rule_weights``): a value computed from one is no
+# weight, and a product of it stays out of float8 (JAX cannot transpose a float8 product's custom_vjp, and a
+# dynamically scaled product is not linear in its tangent).
+TANGENT = "a tangent"
 
 
 class Chain(Mapping):
@@ -88,22 +97,43 @@ class Chain(Mapping):
         return sum(1 for _ in self)
 
 
-# id(jaxpr) -> (its producers, its use counts), while the jaxpr lives (``LRU.of``)
+# id(jaxpr) -> (its producers, its use counts, its last reads), while the jaxpr lives (``LRU.of``)
 _PRODUCERS = LRU(512)
 
 
-def _producers(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int]]:
+def _producers(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int], dict[int, tuple[Any, ...]]]:
     return _PRODUCERS.of(jaxpr, id(jaxpr), lambda: _producers_and_uses(jaxpr))
 
 
-def _producers_and_uses(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int]]:
+def _producers_and_uses(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int], dict[int, tuple[Any, ...]]]:
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
     for a, b in _passed_through(jaxpr):  # one value under two names: neither is used once
         uses[a] += 1
         uses[b] += 1
-    return made, uses
+    return made, uses, _last_reads(jaxpr)
+
+
+def last_reads(jaxpr: Jaxpr) -> Mapping[int, tuple[Any, ...]]:
+    """``id(equation) -> the variables of jaxpr it is the last to read``; the jaxpr's outputs are read at its
+    end, so none of them is listed. An interpreter drops a value after its last read, as Python drops a
+    local: otherwise every intermediate value of the program (its tracers) would live until the end."""
+    return _producers(jaxpr)[2]
+
+
+def _last_reads(jaxpr: Jaxpr) -> dict[int, tuple[Any, ...]]:
+    last: dict[Any, JaxprEqn] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                last[v] = eqn
+    kept = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    out: dict[int, list[Any]] = {}
+    for v, eqn in last.items():
+        if v not in kept:
+            out.setdefault(id(eqn), []).append(v)
+    return {k: tuple(vs) for k, vs in out.items()}
 
 
 def _passed_through(jaxpr: Jaxpr) -> list[tuple[Any, Any]]:
@@ -136,11 +166,14 @@ def frame_of(
 ) -> Frame:
     """The frame of ``jaxpr``: alone (naming ``weights``), or (with ``parent`` and ``operands``) as a body
     called in ``parent`` with ``operands`` (variables of ``parent``) as its inputs."""
-    own, uses = _producers(jaxpr)
+    own, uses, last = _producers(jaxpr)
     if parent is None or operands is None:
-        return Frame(own, {}, uses, weights={} if weights is None else weights, jaxpr=jaxpr)
+        weights = {} if weights is None else weights
+        tangents = frozenset(v for v, label in weights.items() if label == TANGENT)
+        return Frame(own, {}, uses, weights=weights, tangents=tangents, jaxpr=jaxpr, last=last)
     alias = dict(zip(jaxpr.invars, operands, strict=True))
-    return Frame(own, alias, uses, consts=parent.consts, weights=parent.weights, parent=parent, jaxpr=jaxpr)
+    inherited = {"consts": parent.consts, "weights": parent.weights, "tangents": parent.tangents}
+    return Frame(own, alias, uses, **inherited, parent=parent, jaxpr=jaxpr, last=last)
 
 
 def release(frame: Frame) -> None:

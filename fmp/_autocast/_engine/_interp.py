@@ -126,20 +126,25 @@ def eval_jaxpr(
     if jaxpr.constvars:
         frame = dataclasses.replace(frame, consts=Chain(dict(zip(jaxpr.constvars, consts, strict=True)), frame.consts))
     ctx.frames.append(frame)
+    last = frame.last
     compare = ctx.compare  # explain(compare=True): each equation also runs as written, beside this run
     if compare is not None:
         compare.enter(jaxpr, consts)
     try:
         outer = source_info_util.current_name_stack()  # each equation's context below restores it
+        own = scope = name_stack = None  # equations traced in one scope share its name stack: joined once
         for eqn in jaxpr.eqns:
             invals = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-            scope = _join(prefix, str(eqn.source_info.name_stack))
-            name_stack = outer + eqn.source_info.name_stack
+            if eqn.source_info.name_stack is not own:
+                own = eqn.source_info.name_stack
+                scope, name_stack = _join(prefix, str(own)), outer + own
             tb = ctx.tracebacks[-1] if ctx.tracebacks else eqn.source_info.traceback
             with source_info_util.user_context(tb, name_stack=name_stack), eqn.ctx.manager:
                 outs = rewrite_eqn(eqn, invals, ctx, scope) if compare is None else compare.step(eqn, invals, scope)
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
+            for v in last.get(id(eqn), ()):  # a value is dropped after its last read, as Python drops a local
+                del env[v]
         if compare is not None:
             compare.leave(jaxpr)
         return [read(v) for v in jaxpr.outvars]

@@ -26,7 +26,7 @@ from typing import Any
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
 from fmp._autocast._engine import _dims
-from fmp._autocast._engine._frames import Frame, body_frame, frame_of, is_inline_call
+from fmp._autocast._engine._frames import TANGENT, Frame, body_frame, frame_of, is_inline_call
 from fmp._autocast._engine._lru import LRU
 
 # Ops a value is traced back through: they move or re-view it without computing on it.
@@ -96,15 +96,9 @@ def into(call: JaxprEqn, out: Any, frame: Frame) -> tuple[Frame, Any]:
     return body_frame(call, frame), call.params["jaxpr"].jaxpr.outvars[k]
 
 
-# The label of a custom_jvp rule's tangent inputs (``_weights.rule_weights``): a value computed from one is no
-# weight, and a product of it stays out of float8 (JAX cannot transpose a float8 product's custom_vjp, and a
-# dynamically scaled product is not linear in its tangent).
-TANGENT = "a tangent"
-
-
 def tangents_of(frame: Frame) -> frozenset[Any]:
     """The tangent inputs of the custom_jvp rule ``frame`` belongs to (none outside one)."""
-    return frozenset(v for v, label in frame.weights.items() if label == TANGENT)
+    return frame.tangents
 
 
 def weight_of(var: Any, frame: Frame) -> str | None:

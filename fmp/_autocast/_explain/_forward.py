@@ -11,15 +11,15 @@ equation by equation. Traced instead of run (``_compiled``), the whole compariso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from fmp._autocast._engine._context import Context, is_scalar_constant
+from fmp._autocast._engine._frames import last_reads
 from fmp._autocast._engine._interp import bind, rewrite_eqn
-from fmp._autocast._engine._lru import LRU
 from fmp._autocast._explain import _bodies, _outputs
 from fmp._autocast._explain._stats import HOLD, JAX_OPS, Deferred, resolve
 from fmp._autocast._transform import run_top
@@ -36,7 +36,7 @@ class Comparison:
         self.traced = traced  # the run is being traced into one program (``_compiled``): statistics stay pending
         self.rewrite_handlers = rewrite_handlers  # the rewrite's own handlers (a loop body's dtypes are found by them)
         self.envs: list[dict[Any, Any]] = []
-        self.last: list[dict[int, list[Any]]] = []  # per jaxpr: id(equation) -> variables it reads last
+        self.last: list[Mapping[int, tuple[Any, ...]]] = []  # per jaxpr: id(equation) -> variables it reads last
         self.rows: dict[Any, int] = {}  # variable -> index of the explain row of the equation that made it
         self.out_stats: dict[Any, Deferred] = {}  # variable -> the statistics of the compared row that made it
         # index of a compared row -> the rows that made its inputs (the graph the blame walks upstream)
@@ -61,7 +61,7 @@ class Comparison:
                 self.rows[v] = made[v]
         self.pending, self.pending_rows = None, []
         self.envs.append(env)
-        self.last.append(_LAST_USES.of(jaxpr, id(jaxpr), lambda: _last_uses(jaxpr)))
+        self.last.append(last_reads(jaxpr))
 
     def leave(self, jaxpr: Jaxpr) -> None:
         env = self.envs.pop()
@@ -175,23 +175,6 @@ class Comparison:
 
 # ops whose one output holds their one input's elements, each the same number of times
 _REARRANGES = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p", "rev"})
-
-_LAST_USES = LRU(1024)  # jaxpr -> its ``_last_uses`` (a body evaluated again, in a loop or a repeated call)
-
-
-def _last_uses(jaxpr: Jaxpr) -> dict[int, list[Any]]:
-    """``id(equation) -> the variables it is the last to read`` (the jaxpr's outputs are read at its end)."""
-    last: dict[Any, JaxprEqn] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if not isinstance(v, Literal):
-                last[v] = eqn
-    kept = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-    out: dict[int, list[Any]] = {}
-    for v, eqn in last.items():
-        if v not in kept:
-            out.setdefault(id(eqn), []).append(v)
-    return out
 
 
 def _constants_kept(arrived: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
