@@ -20,7 +20,10 @@ association, so it then compiles like the float32 program, not like a hand-cast 
 
 The unrolled layers are written out one after another, as flax linen or nnx without ``nn.scan`` and
 equinox loops give them to ``jit``. Runs are interleaved (every variant at every depth once per round,
-in a fresh process each) and the table gives medians over the rounds; the load average of the machine
+in a fresh process each, the variants' order reversed every other round, since the process that runs
+first after another is measurably slower or faster on a shared machine); times are medians over the
+rounds, and a ratio is the median of the rounds' own ratios (the two variants measured side by side, so
+a change of the machine's load between rounds cancels) with its range. The load average of the machine
 is printed before and after. Trace+lower is given in the process's CPU time (on a shared machine the wall
 time also counts the time other jobs hold the cores) with the wall-time ratio beside it; compile in wall
 time. ``--compile-up-to`` and ``--float8-up-to`` bound the depths those are timed at.
@@ -125,7 +128,7 @@ def _cpu() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 32, 128, 256, 512])
-    ap.add_argument("--rounds", type=int, default=3, help="fresh processes per variant and depth (median)")
+    ap.add_argument("--rounds", type=int, default=5, help="fresh processes per variant and depth (median)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--compile-up-to", type=int, default=1 << 30, help="time compile only up to this depth")
     ap.add_argument("--float8-up-to", type=int, default=1 << 30, help="time float8 only up to this depth")
@@ -136,9 +139,9 @@ def main() -> None:
         return
     times: dict[tuple[str, int], list[tuple[float, ...]]] = {}
     load_before, started = _load(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for layers in args.layers:
-            for variant in args.variants:
+            for variant in args.variants if r % 2 == 0 else args.variants[::-1]:
                 if variant == "float8" and layers > args.float8_up_to:
                     continue
                 timed = str(int(layers <= args.compile_up_to))
@@ -147,23 +150,25 @@ def main() -> None:
                 times.setdefault((variant, layers), []).append(tuple(float(w) for w in out[-3:]))
     print(
         f"{_cpu()}; Python {platform.python_version()}, jax {jax.__version__}; {started}; "
-        f"load average {load_before} before, {_load()} after; median of {args.rounds} fresh processes"
+        f"load average {load_before} before, {_load()} after; {args.rounds} rounds of fresh processes"
     )
     med = {k: [statistics.median(t[i] for t in v) for i in range(3)] for k, v in times.items()}
 
     def cell(variant: str, layers: int, i: int) -> str:
         return f"{med[variant, layers][i]:.3g}" if (variant, layers) in med else "-"
 
-    def ratio(a: str, b: str, layers: int, i: int) -> str:
+    def ratio(a: str, b: str, layers: int, i: int, spread: bool = False) -> str:
         if (a, layers) not in med or (b, layers) not in med:
             return "-"
-        return f"{med[a, layers][i] / med[b, layers][i]:.2f}"
+        each = [x[i] / y[i] for x, y in zip(times[a, layers], times[b, layers], strict=True)]
+        text = f"{statistics.median(each):.2f}"
+        return f"{text} ({min(each):.2f}-{max(each):.2f})" if spread and len(each) > 1 else text
 
     columns = [
         *((f"{v} CPU s", lambda n, v=v: cell(v, n, 1)) for v in args.variants),
-        ("bf16/hand CPU", lambda n: ratio("bf16", "hand", n, 1)),
+        ("bf16/hand CPU (range)", lambda n: ratio("bf16", "hand", n, 1, spread=True)),
         ("bf16/hand wall", lambda n: ratio("bf16", "hand", n, 0)),
-        ("float8/bf16 CPU", lambda n: ratio("float8", "bf16", n, 1)),
+        ("float8/bf16 CPU (range)", lambda n: ratio("float8", "bf16", n, 1, spread=True)),
         ("hand compile s", lambda n: cell("hand", n, 2)),
         ("bf16/hand compile", lambda n: ratio("bf16", "hand", n, 2)),
     ]

@@ -86,6 +86,11 @@ def use_gemm(recipe: Float8Recipe) -> bool:
 
 float8_matmul.defvjp(_fwd, _bwd)
 
+# the whole product, gradient rule included, traced once per shape, dtype and recipe: JAX then differentiates
+# and transposes that one body for every matmul alike (its caches key on the body), where a custom_vjp at each
+# site has its backward traced again at each site
+_float8_matmul_call = jax.jit(float8_matmul, static_argnums=(2, 3, 4, 5, 6, 7))
+
 
 def _ints(dims: Sequence[int]) -> list[int]:
     return [int(d) for d in dims]
@@ -130,7 +135,7 @@ def float8_dot_general(
     lperm, rperm, ashape, bshape, oshape = canonical(lhs.shape, rhs.shape, dimension_numbers)
     a = jnp.transpose(lhs, lperm).reshape(ashape)
     b = jnp.transpose(rhs, rperm).reshape(bshape)
-    out = float8_matmul(
+    out = _float8_matmul_call(
         a, b, recipe.scaling, recipe.block_size, recipe.pow2_scales, use_gemm(recipe), jnp.dtype(out_dtype),
         jnp.dtype(recipe.grad_dtype),
     )  # fmt: skip
