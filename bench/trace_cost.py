@@ -32,6 +32,7 @@ time. ``--compile-up-to`` and ``--float8-up-to`` bound the depths those are time
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--compile-up-to", type=int, default=1 << 30, help="time compile only up to this depth")
     ap.add_argument("--float8-up-to", type=int, default=1 << 30, help="time float8 only up to this depth")
+    ap.add_argument("--json", metavar="PATH", help="also write every process's times there")
     ap.add_argument("--one", nargs=3, metavar=("VARIANT", "LAYERS", "COMPILE"), help=argparse.SUPPRESS)  # a child
     args = ap.parse_args()
     if args.one:
@@ -152,6 +154,10 @@ def main() -> None:
         f"{_cpu()}; Python {platform.python_version()}, jax {jax.__version__}; {started}; "
         f"load average {load_before} before, {_load()} after; {args.rounds} rounds of fresh processes"
     )
+    if args.json:
+        rows = [{"variant": v, "layers": n, "round": r, "lower_wall_s": t[0], "lower_cpu_s": t[1], "compile_s": t[2]}
+                for (v, n), ts in times.items() for r, t in enumerate(ts)]  # fmt: skip
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     med = {k: [statistics.median(t[i] for t in v) for i in range(3)] for k, v in times.items()}
 
     def cell(variant: str, layers: int, i: int) -> str:
