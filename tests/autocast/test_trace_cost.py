@@ -81,10 +81,10 @@ def _fmp_lines(layers: int, policy: str) -> int:
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float8"])
 def test_lines_run_in_fmp_grow_linearly_with_depth(policy):
     """All of the rewrite, walks or not: a pass over all the program's weights per float8 operand (asking
-    whether the operand comes from a custom_jvp rule's tangents) once made this 7x for 4x the layers."""
-    shallow, deep = _fmp_lines(16, policy), _fmp_lines(64, policy)
-    assert shallow > 16 * 1000, shallow  # the trace saw the rewrite
-    assert deep / shallow < 4.6, (shallow, deep)  # linear: ~3.9x
+    whether the operand comes from a custom_jvp rule's tangents) once made this 5.5x for 4x the layers."""
+    shallow, deep = _fmp_lines(8, policy), _fmp_lines(32, policy)
+    assert shallow > 8 * 1000, shallow  # the trace saw the rewrite
+    assert deep / shallow < 4.5, (shallow, deep)  # linear: 3.6-3.8x
 
 
 def test_no_frame_of_a_rewrite_is_left_for_the_garbage_collector():
