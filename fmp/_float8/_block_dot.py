@@ -114,6 +114,10 @@ def block_grads(a, b, g, key_data, scaling, grad_dtype, mode, stochastic):
 
 block_matmul.defvjp(_fwd, _bwd)
 
+# one jitted call per shape and recipe, gradient rule included (as ``_dot._float8_matmul_call``): JAX
+# differentiates and transposes that one body for every matmul alike
+_block_matmul_call = jax.jit(block_matmul, static_argnums=(3, 4, 5, 6, 7))
+
 
 def block_dot_general(
     lhs: jax.Array,
@@ -147,8 +151,8 @@ def block_dot_general(
     key_data = _key_data(key) if stochastic else jnp.asarray(_NO_KEY, jnp.uint32)
     args = (recipe.scaling, jnp.dtype(recipe.grad_dtype), recipe.scale_rounding, jnp.dtype(out_dtype), stochastic)
     if weight_first and recipe.scaling == "nvfp4":  # out^T = b^T @ a^T, with the weight second
-        return _swap(block_matmul(_swap(b), _swap(a), key_data, *args)).reshape(oshape)
-    return block_matmul(a, b, key_data, *args).reshape(oshape)
+        return _swap(_block_matmul_call(_swap(b), _swap(a), key_data, *args)).reshape(oshape)
+    return _block_matmul_call(a, b, key_data, *args).reshape(oshape)
 
 
 def _block_amax(x: np.ndarray, axis: int, size: int, tiles: bool) -> np.ndarray:
