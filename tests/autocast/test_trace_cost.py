@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 import fmp
+from fmp._autocast._engine import _jax_internals
 from fmp._autocast._engine._frames import Frame
 from fmp._autocast._engine._lru import LRU
 from fmp._autocast._engine._provenance import STEPS
@@ -142,3 +143,69 @@ def test_a_cache_entry_goes_with_its_object_and_an_id_reused_is_not_a_hit():
     held = [1, 2]  # a tuple takes no weak reference: held by the entry, still correct
     assert cache.of(tuple(held), 99, lambda: make("t")) == "t"
     assert made == ["a", "b", "t"]
+
+
+def _bounds(program, made_from=None) -> list:
+    """``_constants.bound`` of every value of ``program``'s top level, in a fresh frame; ``made_from``
+    replaces the per-body summary the walk consults before going into a helper's body."""
+    from fmp._autocast._engine import _constants
+    from fmp._autocast._engine._frames import frame_of
+
+    saved = _constants._made_from
+    if made_from is not None:
+        _constants._made_from = made_from
+    try:
+        frame = frame_of(program.jaxpr)
+        return [_constants.bound(v, frame) for e in program.jaxpr.eqns for v in e.outvars]
+    finally:
+        _constants._made_from = saved
+
+
+class _AlwaysGoIn(dict):
+    """Every output of every body may be known, with no input checked first: the walk goes into each body."""
+
+    def get(self, key, default=None):
+        return ()
+
+
+def _with_inline_calls(program):
+    """``program`` with its ``jit`` calls marked as JAX marks jnp's helpers (inlined when staged), so that the
+    walks go into their bodies as into a helper's."""
+    eqns = [
+        e.replace(params=dict(e.params, inline=_jax_internals.INLINE_WHEN_STAGED)) if e.primitive.name == "jit" else e
+        for e in program.jaxpr.eqns
+    ]
+    return program.replace(jaxpr=program.jaxpr.replace(eqns=eqns))
+
+
+def test_a_walk_skips_a_helper_body_only_where_going_in_would_find_a_runtime_value():
+    big = float(jnp.finfo(jnp.float32).max)
+
+    @jax.jit
+    def helper(mask, i, a, b, x):
+        return [
+            jax.lax.select_n(mask, a, b),  # a runtime predicate, constant values: known
+            jax.lax.dynamic_slice(a, (i,), (2,)),  # a runtime index: known
+            a * 0.5 + b,  # arithmetic on constants: known
+            jnp.concatenate([a, b]),  # known
+            jnp.sum(a),  # a reduction: unknown whatever its operand
+            x - a,  # a runtime value: unknown
+            jax.lax.select_n(mask, x, b),  # unknown: x is among the values
+        ]
+
+    def f(x, mask, i):
+        outs = helper(mask, i, jnp.full((4,), -big), jnp.ones(4), x)
+        return [*outs, jnp.full((4,), big) * 2.0]  # an inline helper at the top level too (jnp's multiply)
+
+    with _jax_internals.keep_inline_calls():
+        program = _with_inline_calls(jax.make_jaxpr(f)(jnp.ones(4), jnp.ones(4, bool), 1))
+    fast, walked = _bounds(program), _bounds(program, lambda body: _AlwaysGoIn())
+    assert fast == walked
+    known = [b for b in fast if b is not None]
+    assert len(known) >= 5 and max(known) >= big and None in fast, fast  # both kinds are among them
+    STEPS.clear()
+    _bounds(program)
+    fast_steps = sum(STEPS.values())
+    STEPS.clear()
+    _bounds(program, lambda body: _AlwaysGoIn())
+    assert fast_steps < sum(STEPS.values())  # and it did skip some

@@ -12,12 +12,13 @@ whether a bound rounds to infinity in a dtype.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Literal
+from jax.extend.core import Jaxpr, Literal
 
 from fmp._autocast._engine._frames import Frame, is_inline_call
 from fmp._autocast._engine._lru import LRU
@@ -65,6 +66,8 @@ _MEASURED = LRU(256)
 
 _PENDING = object()  # a bound not found yet
 
+_FLOATS = (float, np.floating)
+
 
 def bound(var: Any, frame: Frame) -> float | None:
     """An upper bound of the finite magnitudes ``var`` can take if its values are known while tracing, else
@@ -111,6 +114,14 @@ def _step(v: Any, f: Frame) -> tuple[tuple[Any, Frame] | None, float | None]:
             return None, _magnitude(const)
         return None, None
     if is_inline_call(eqn):
+        k = 0 if len(eqn.outvars) == 1 else next(i for i, o in enumerate(eqn.outvars) if o is v)
+        made_from = _made_from(eqn.params["jaxpr"].jaxpr).get(k)
+        if made_from is None:
+            return None, None  # the body computes it (a reduction, a product...): no need to go in
+        # the operands it is made from first, here: one runtime value among them decides it
+        need, known = _known([eqn.invars[i] for i in made_from], f, lambda m: True)
+        if need is not None or known is None:
+            return need, None
         body_frame, out = into(eqn, v, f)
         return _known(out, body_frame, lambda m: m[0])
     name = eqn.primitive.name
@@ -119,6 +130,54 @@ def _step(v: Any, f: Frame) -> tuple[tuple[Any, Frame] | None, float | None]:
     if name in _ARITHMETIC:
         return _known(eqn.invars, f, lambda m: _ARITHMETIC[name](*m))
     return None, None
+
+
+# id(body jaxpr) -> ``_made_from``'s answer, while the body lives
+_MADE_FROM = LRU(1024)
+
+
+def _made_from(body: Jaxpr) -> dict[int, frozenset[int]]:
+    """``{output index: the indices of the inputs it is made from}`` for the outputs of an inline call's body
+    whose bound may be known: made from inputs, literals and constants by ``_VALUES`` and ``_ARITHMETIC`` ops
+    alone, whose bound is a runtime value's (None) as soon as one input's is. Any other output is computed
+    (a reduction, a product, a division), a runtime value whatever the operands. Found once per body, it
+    spares a walk the body's frame at most calls of a helper (``mean``; ``x - m`` of a runtime ``x``)."""
+    return _MADE_FROM.of(body, id(body), lambda: _made_from_inputs(body))
+
+
+def _made_from_inputs(body: Jaxpr) -> dict[int, frozenset[int]]:
+    none: frozenset[int] = frozenset()
+    deps: dict[Any, frozenset[int]] = {v: frozenset([i]) for i, v in enumerate(body.invars)}
+    deps.update((v, none) for v in body.constvars)  # (a walk goes in and learns their values)
+
+    def union(vs: Any) -> frozenset[int] | None:
+        out = none
+        for u in vs:
+            if isinstance(u, Literal):
+                continue
+            d = deps.get(u)
+            if d is None:
+                return None
+            out = out | d
+        return out
+
+    for e in body.eqns:
+        name = e.primitive.name
+        if is_inline_call(e):
+            for k, o in _made_from(e.params["jaxpr"].jaxpr).items():
+                d = union(e.invars[i] for i in o)
+                if d is not None:
+                    deps[e.outvars[k]] = d
+            continue
+        d = union(e.invars[_VALUES[name]]) if name in _VALUES else union(e.invars) if name in _ARITHMETIC else None
+        if d is not None:
+            deps.update((o, d) for o in e.outvars)
+    out = {}
+    for k, o in enumerate(body.outvars):
+        d = none if isinstance(o, Literal) else deps.get(o)
+        if d is not None:
+            out[k] = d
+    return out
 
 
 def _known(operands: Any, f: Frame, combine: Any) -> tuple[tuple[Any, Frame] | None, float | None]:
@@ -148,6 +207,9 @@ def overflows(magnitude: float, dtype: str) -> bool:
 
 
 def _magnitude(x: Any) -> float:
+    if isinstance(x, _FLOATS):  # a float literal: NumPy's answer below, without its array
+        m = abs(float(x))
+        return m if math.isfinite(m) else 0.0
     if isinstance(x, jax.Array):
         return _MEASURED.of(x, id(x), lambda: _device_max(x))
     a = np.abs(np.asarray(x)).astype(np.float64)

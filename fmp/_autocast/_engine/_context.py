@@ -61,14 +61,19 @@ def is_castable(dtype: Any) -> bool:
     return dtype_name(dtype) in _dtypes.CASTABLE
 
 
+# the types of a constant (the union built once: ``isinstance(x, int | float)`` builds it at every call)
+_CONSTANT_TYPES = (int, float, complex, np.ndarray, np.generic)
+_NUMPY_TYPES = (np.ndarray, np.generic)
+
+
 def is_constant(x: Any) -> bool:
     """A value known while tracing: a literal of the program, or a constant JAX would fold into one."""
-    return isinstance(x, int | float | complex | np.ndarray | np.generic) and not isinstance(x, jax.Array)
+    return isinstance(x, _CONSTANT_TYPES) and not isinstance(x, jax.Array)
 
 
 def is_scalar_constant(x: Any) -> bool:
     """A constant with no dimensions (a Python number or a 0-d NumPy value): a scalar literal of the source."""
-    return is_constant(x) and (not isinstance(x, np.ndarray | np.generic) or x.ndim == 0)
+    return is_constant(x) and (not isinstance(x, _NUMPY_TYPES) or x.ndim == 0)
 
 
 def aval_of(x: Any) -> Any:

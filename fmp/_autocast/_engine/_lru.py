@@ -42,7 +42,8 @@ class LRU:
 
     def get(self, key: Any, default: Any = None) -> Any:
         with self._lock:
-            self._purge()
+            if self._dead:
+                self._purge()
             value = self._data.get(key, _MISSING)
             if value is _MISSING:
                 return default

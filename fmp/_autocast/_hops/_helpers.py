@@ -216,7 +216,7 @@ def _specialise(eqn: JaxprEqn, invals: list[Any]) -> tuple[ClosedJaxpr, list[Any
         it = iter(xs)
         return list(jaxpr_as_fun(closed)(*[fixed[i] if i in fixed else next(it) for i in range(len(invals))]))
 
-    key = (id(closed), tuple((i, type(x).__name__, _exact(x), str(aval_of(x))) for i, x in fixed.items()))
+    key = (id(closed), tuple((i, type(x), _exact(x), aval_of(x)) for i, x in fixed.items()))
     body = _SPECIAL.of(
         closed,
         key,
