@@ -25,7 +25,7 @@ from fmp._autocast._engine._cast import cast, round_once
 from fmp._autocast._engine._context import Context, aval_of, dtype_name, is_castable, is_scalar_constant, record_eqn
 from fmp._autocast._engine._dims import contracted_size
 from fmp._autocast._engine._interp import bind
-from fmp._autocast._engine._provenance import BIAS, NOT_LOW, TANGENT, epilogue_sides, tangents_of, weight_of
+from fmp._autocast._engine._provenance import BIAS, NOT_LOW, TANGENT, epilogue_sides, weight_of
 from fmp._autocast._float8 import float8
 from fmp._core import _dtypes
 from fmp._core._rules import OVERRIDE, Category, decide, joined, moved
@@ -196,7 +196,7 @@ def _float8_scope(eqn: JaxprEqn, ctx: Context, policy: Policy) -> str:
     """Why a float8-category op runs in float8 or not (the float8 scope rule, ``_weights``), for explain:
     ``"weight operand (rhs: input 1)"``, ``"activations=True"`` or ``"activation x activation (...)"``."""
     frame = ctx.frames[-1] if ctx.frames else None
-    if policy.float8.activations and (frame is None or not tangents_of(frame)):
+    if policy.float8.activations and (frame is None or not frame.tangents):
         return "activations=True"
     named = [weight_of(var, frame) if frame is not None else None for var in eqn.invars]
     if TANGENT in named:

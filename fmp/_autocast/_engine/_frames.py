@@ -2,8 +2,9 @@
 
 A ``Frame`` holds a jaxpr's producers and use counts, the link from its inputs to the operands of its call
 (``alias``, to the ``parent`` frame) and what the walks of ``_provenance`` and ``_constants`` learn about its
-values. Producer maps are kept per jaxpr (``_PRODUCERS``, weakly: never keeping a program alive); a frame
-keeps the frames of the bodies its walks went into (``body_frame``) until its rewrite is done (``release``).
+values. Producer maps, use counts and last reads are kept per jaxpr (``_FACTS``, weakly: never keeping a
+program alive); a frame keeps the frames of the bodies its walks went into (``body_frame``) until its
+rewrite is done (``release``).
 """
 
 from __future__ import annotations
@@ -98,14 +99,14 @@ class Chain(Mapping):
 
 
 # id(jaxpr) -> (its producers, its use counts, its last reads), while the jaxpr lives (``LRU.of``)
-_PRODUCERS = LRU(512)
+_FACTS = LRU(512)
 
 
-def _producers(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int], dict[int, tuple[Any, ...]]]:
-    return _PRODUCERS.of(jaxpr, id(jaxpr), lambda: _producers_and_uses(jaxpr))
+def _facts(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int], dict[int, tuple[Any, ...]]]:
+    return _FACTS.of(jaxpr, id(jaxpr), lambda: _find_facts(jaxpr))
 
 
-def _producers_and_uses(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int], dict[int, tuple[Any, ...]]]:
+def _find_facts(jaxpr: Jaxpr) -> tuple[dict[Any, JaxprEqn], dict[Any, int], dict[int, tuple[Any, ...]]]:
     made = {v: e for e in jaxpr.eqns for v in e.outvars}
     uses = collections.Counter(v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal))
     uses.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
@@ -119,7 +120,7 @@ def last_reads(jaxpr: Jaxpr) -> Mapping[int, tuple[Any, ...]]:
     """``id(equation) -> the variables of jaxpr it is the last to read``; the jaxpr's outputs are read at its
     end, so none of them is listed. An interpreter drops a value after its last read, as Python drops a
     local: otherwise every intermediate value of the program (its tracers) would live until the end."""
-    return _producers(jaxpr)[2]
+    return _facts(jaxpr)[2]
 
 
 def _last_reads(jaxpr: Jaxpr) -> dict[int, tuple[Any, ...]]:
@@ -166,7 +167,7 @@ def frame_of(
 ) -> Frame:
     """The frame of ``jaxpr``: alone (naming ``weights``), or (with ``parent`` and ``operands``) as a body
     called in ``parent`` with ``operands`` (variables of ``parent``) as its inputs."""
-    own, uses, last = _producers(jaxpr)
+    own, uses, last = _facts(jaxpr)
     if parent is None or operands is None:
         weights = {} if weights is None else weights
         tangents = frozenset(v for v, label in weights.items() if label == TANGENT)

@@ -38,7 +38,6 @@ from fmp._autocast._engine._context import (
 )
 from fmp._autocast._engine._frames import Chain, body_frame, frame_of, is_inline_call, release
 from fmp._autocast._engine._lru import LRU
-from fmp._autocast._engine._provenance import tangents_of
 from fmp._autocast._engine._weights import (
     body_weights,
     frame_weights,
@@ -312,4 +311,4 @@ def scoped_float8(ctx: Context) -> bool:
     recipes = [p.float8 for p in (ctx.policy, *(pol for _, pol in ctx.overrides)) if p.float8 is not None]
     if not ctx.frames or not recipes:
         return False
-    return any(not r.activations for r in recipes) or bool(tangents_of(ctx.frames[-1]))
+    return any(not r.activations for r in recipes) or bool(ctx.frames[-1].tangents)

@@ -96,16 +96,11 @@ def into(call: JaxprEqn, out: Any, frame: Frame) -> tuple[Frame, Any]:
     return body_frame(call, frame), call.params["jaxpr"].jaxpr.outvars[k]
 
 
-def tangents_of(frame: Frame) -> frozenset[Any]:
-    """The tangent inputs of the custom_jvp rule ``frame`` belongs to (none outside one)."""
-    return frame.tangents
-
-
 def weight_of(var: Any, frame: Frame) -> str | None:
     """How ``var`` names the weight it re-views (``"input 1"``, ``"constant"``: a literal broadcast, as
     ``jnp.ones``), or None for an activation: a value computed from something other than a weight, through
     casts, reshapes, transposes and broadcasts; ``TANGENT`` for a value computed from a tangent."""
-    tangents = tangents_of(frame)
+    tangents = frame.tangents  # the tangent inputs of the custom_jvp rule the frame belongs to
     if tangents and not isinstance(var, Literal) and depends(var, tangents, frame):
         return TANGENT
     r, made, _ = root(var, frame, WEIGHT_VIEWS) if not isinstance(var, Literal) else (var, None, None)
