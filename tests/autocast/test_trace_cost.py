@@ -209,3 +209,15 @@ def test_a_walk_skips_a_helper_body_only_where_going_in_would_find_a_runtime_val
     STEPS.clear()
     _bounds(program, lambda body: _AlwaysGoIn())
     assert fast_steps < sum(STEPS.values())  # and it did skip some
+
+
+def test_helper_bodies_nested_deeper_than_the_recursion_limit_are_read_with_a_stack():
+    from fmp._autocast._engine import _constants
+
+    program = _with_inline_calls(jax.make_jaxpr(lambda a: jax.jit(lambda b: -b)(a))(jnp.ones(4)))
+    call = program.jaxpr.eqns[0]
+    for _ in range(sys.getrecursionlimit()):  # the body becomes a call of the previous body, over and over
+        body = call.replace(params=dict(call.params, jaxpr=program))
+        program = program.replace(jaxpr=program.jaxpr.replace(eqns=[body]))
+    # the output is the input negated, through every level (a recursive reading took 4 frames per level)
+    assert _constants._made_from(program.jaxpr.eqns[0].params["jaxpr"].jaxpr) == {0: frozenset({0})}

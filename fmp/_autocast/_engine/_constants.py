@@ -5,9 +5,11 @@ them by ops that only move or pick values (a broadcast, a reshape, a select
 between constants, a concatenation, a slice, a negation) hold values known at
 trace time. ``bound`` is the largest finite magnitude such a value can take,
 found by walking the original program (across jnp's helper calls, as
-``_provenance`` does); a value computed by anything else (from an argument, a
-sum, a product) is a runtime value, whose bound is unknown. ``overflows`` tells
-whether a bound rounds to infinity in a dtype.
+``_provenance`` does); sums, products, maxima and minima of such values are
+bounded from their operands' bounds. A value computed by anything else (an
+argument, a reduction, a matmul, a division, an exponential) is a runtime
+value, whose bound is unknown. ``overflows`` tells whether a bound rounds to
+infinity in a dtype.
 """
 
 from __future__ import annotations
@@ -117,10 +119,10 @@ def _step(v: Any, f: Frame) -> tuple[tuple[Any, Frame] | None, float | None]:
         k = 0 if len(eqn.outvars) == 1 else next(i for i, o in enumerate(eqn.outvars) if o is v)
         made_from = _made_from(eqn.params["jaxpr"].jaxpr).get(k)
         if made_from is None:
-            return None, None  # the body computes it (a reduction, a product...): no need to go in
+            return None, None  # the body computes it (a reduction, a matmul...): no need to go in
         # the operands it is made from first, here: one runtime value among them decides it
-        need, known = _known([eqn.invars[i] for i in made_from], f, lambda m: True)
-        if need is not None or known is None:
+        need, all_known = _known([eqn.invars[i] for i in made_from], f, lambda m: True)
+        if need is not None or all_known is None:
             return need, None
         body_frame, out = into(eqn, v, f)
         return _known(out, body_frame, lambda m: m[0])
@@ -140,15 +142,29 @@ def _made_from(body: Jaxpr) -> dict[int, frozenset[int]]:
     """``{output index: the indices of the inputs it is made from}`` for the outputs of an inline call's body
     whose bound may be known: made from inputs, literals and constants by ``_VALUES`` and ``_ARITHMETIC`` ops
     alone, whose bound is a runtime value's (None) as soon as one input's is. Any other output is computed
-    (a reduction, a product, a division), a runtime value whatever the operands. Found once per body, it
-    spares a walk the body's frame at most calls of a helper (``mean``; ``x - m`` of a runtime ``x``)."""
+    (a reduction, a matmul, a division), a runtime value whatever the operands. Found once per body, it
+    spares a walk the body's frame at most calls of a helper (``mean``; ``x - m`` of a runtime ``x``).
+
+    The bodies of the inline calls inside ``body`` are read first, innermost first, with a stack of its own
+    (no recursion, whatever the nesting)."""
+    known = _MADE_FROM.cached(body, id(body))
+    if known is not None:
+        return known
+    stack = [(body, False)]
+    while stack:
+        b, inner_done = stack.pop()
+        if inner_done:
+            _MADE_FROM.of(b, id(b), lambda b=b: _made_from_inputs(b))
+        elif _MADE_FROM.cached(b, id(b)) is None:
+            stack.append((b, True))
+            stack.extend((e.params["jaxpr"].jaxpr, False) for e in b.eqns if is_inline_call(e))
     return _MADE_FROM.of(body, id(body), lambda: _made_from_inputs(body))
 
 
 def _made_from_inputs(body: Jaxpr) -> dict[int, frozenset[int]]:
     none: frozenset[int] = frozenset()
     deps: dict[Any, frozenset[int]] = {v: frozenset([i]) for i, v in enumerate(body.invars)}
-    deps.update((v, none) for v in body.constvars)  # (a walk goes in and learns their values)
+    deps.update((v, none) for v in body.constvars)  # a walk goes in and decides (kept as it was)
 
     def union(vs: Any) -> frozenset[int] | None:
         out = none

@@ -65,9 +65,9 @@ class LRU:
         ``make()``, stored. The entry refers to ``obj`` weakly where ``obj`` allows it and is dropped when
         ``obj`` dies (an object without weak references is held); an entry whose object is another (an id
         reused) is made again. The value must not refer to ``obj`` itself, or ``obj`` would never die."""
-        hit = self.get(key)
-        if hit is not None and hit[0]() is obj:
-            return hit[1]
+        value = self.cached(obj, key, _MISSING)
+        if value is not _MISSING:
+            return value
         value = make()
         try:
             ref: Callable[[], Any] = weakref.ref(obj, self._forget(key))
@@ -75,6 +75,11 @@ class LRU:
             ref = _Strong(obj)
         self.put(key, (ref, value))
         return value
+
+    def cached(self, obj: Any, key: Any, default: Any = None) -> Any:
+        """The value ``of`` stored for ``obj`` under ``key``, else ``default`` (nothing is made)."""
+        hit = self.get(key)
+        return hit[1] if hit is not None and hit[0]() is obj else default
 
     def _forget(self, key: Any) -> Callable[[Any], None]:
         def died(ref: Any) -> None:
